@@ -1,0 +1,162 @@
+"""The ``appliance`` command line (also ``python -m appliance``).
+
+Exit codes: 0 success, 2 a user mistake (one line on stderr naming the file and the fix), 1 a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from . import __version__
+from .config import DEFAULT_CONFIG_PATH, Config, load
+from .errors import UserError
+
+log = logging.getLogger("appliance")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The config a command runs with: ``--embedded`` selects the built-in defaults explicitly;
+    otherwise ``--config`` (default /etc/appliance/config.yaml, or ./config.yaml in a checkout)."""
+    from .pipeline import embedded_config
+
+    if getattr(args, "embedded", False):
+        base = load(args.config) if args.config else Config()
+        return embedded_config(base)
+    path = Path(args.config) if args.config else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml"))
+    return load(path)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .pipeline import Parts
+    from .replay import load_input, replay
+
+    cfg = _config(args)
+    load_input(args.input)  # fail fast on bad input, before seconds of model loading
+    parts = Parts.load(cfg)
+    lines = (lambda s: print(s, flush=True)) if not args.quiet else None
+    report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines)
+    out = Path(args.out)
+    print(f"reply:    {out / 'reply.wav'}")
+    print(f"timeline: {out / 'timeline.jsonl'}")
+    print(f"report:   {out / 'report.json'}")
+    for t in report["turns"]:
+        print(f"turn {t['reply_id']}: end of turn → first token {t['eot_to_first_token_ms']} ms, "
+              f"→ first audio {t['eot_to_first_audio_ms']} ms{' (interrupted)' if t['interrupted'] else ''}")
+    for b in report["barge_ins"]:
+        print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, output silent after {b['output_silent_ms']} ms")
+    if report["timed_out"]:
+        print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
+    return 0
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    from .audio.files import write_wav
+    from .speech import Tts
+
+    cfg = _config(args)
+    tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
+    import numpy as np
+
+    chunks = list(tts.synthesize(args.text))
+    if not chunks:
+        raise UserError("nothing to say: give a sentence with words in it")
+    audio = np.concatenate(chunks)
+    if args.out:
+        write_wav(args.out, audio, tts.sample_rate)
+        print(f"{args.out}: {len(audio) / tts.sample_rate:.2f} s at {tts.sample_rate} Hz")
+        return 0
+    from .audio.devices import play
+
+    play(audio, tts.sample_rate, cfg.audio.output)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .audio.devices import run_service
+
+    cfg = _config(args)
+    return run_service(cfg, config_path=None if args.embedded else args.config)
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from .audio.devices import describe_devices
+
+    cfg = None
+    try:
+        cfg = _config(args)
+    except UserError:
+        pass
+    print(describe_devices(cfg))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    path = Path(args.file or args.config or DEFAULT_CONFIG_PATH)
+    load(path)
+    print(f"{path}: valid")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="appliance", description="Offline voice appliance: hear, think, speak, stop when interrupted.")
+    p.add_argument("--version", action="version", version=f"appliance {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, embedded=True):
+        sp.add_argument("--config", help="config file (default /etc/appliance/config.yaml, else ./config.yaml)")
+        if embedded:
+            sp.add_argument("--embedded", action="store_true",
+                            help="use the embedded defaults (Gemma 3 270M text model and the Joe voice from PyPI)")
+
+    sp = sub.add_parser("run", help="the service on real sound devices")
+    common(sp)
+    sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("replay", help="run the pipeline on a WAV or scenario file in a simulated room")
+    sp.add_argument("input", help="a WAV of speech or a scenario YAML")
+    sp.add_argument("--out", required=True, help="output directory for reply.wav, timeline.jsonl, report.json")
+    sp.add_argument("--fast", action="store_true", help="do not pace in real time (latencies are then meaningless)")
+    sp.add_argument("--quiet", action="store_true", help="do not print the timeline")
+    common(sp)
+    sp.set_defaults(func=cmd_replay)
+
+    sp = sub.add_parser("say", help="speak a sentence (checks the TTS and the output device)")
+    sp.add_argument("text")
+    sp.add_argument("--out", help="write a WAV instead of playing")
+    common(sp)
+    sp.set_defaults(func=cmd_say)
+
+    sp = sub.add_parser("devices", help="list sound devices, marking the ones the config selects")
+    common(sp)
+    sp.set_defaults(func=cmd_devices)
+
+    sp = sub.add_parser("check-config", help="validate a config file without running (exit 0 or 2)")
+    sp.add_argument("file", nargs="?")
+    sp.add_argument("--config", help=argparse.SUPPRESS)
+    sp.set_defaults(func=cmd_check_config)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    under_systemd = bool(os.environ.get("INVOCATION_ID") or os.environ.get("JOURNAL_STREAM"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s" if under_systemd
+                        else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
