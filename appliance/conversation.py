@@ -1,0 +1,316 @@
+"""The conversation state machine: the one writer of the appliance's state.
+
+Every other part posts events to it (:meth:`Conversation.post`, non-blocking, callable from any thread,
+including audio callbacks); it changes state on its own thread and tells its observers (LEDs, the
+timeline, metrics, the simulated room) about every transition and event. Nothing polls it.
+
+States: ``starting`` → ``listening`` → ``thinking`` → ``speaking`` → ``listening``; while speaking, the
+first VAD onset pauses playback at once and enters ``interrupted``, then the turn taker decides:
+``resumed`` (a backchannel or a noise: back to ``speaking`` where it paused) or ``flushed`` (a real
+interruption: the rest of the reply is dropped, generation cancelled, only the spoken text kept, and the
+new speech becomes the next user turn). ``muted`` ignores the microphone; ``error`` is a device or model
+failure.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+
+from .turns import BargeInDecision, TurnTaker
+
+log = logging.getLogger(__name__)
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    LISTENING = "listening"
+    THINKING = "thinking"
+    SPEAKING = "speaking"
+    INTERRUPTED = "interrupted"
+    MUTED = "muted"
+    ERROR = "error"
+
+
+Observer = Callable[[dict], None]
+
+
+class PlaybackControl(Protocol):
+    def begin_reply(self, reply_id: int) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def flush(self) -> int: ...
+    def spoken_text(self) -> str: ...
+    def full_text(self) -> str: ...
+
+
+class EngineControl(Protocol):
+    def submit_turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None: ...
+    def cancel(self, reply_id: int) -> None: ...
+    def commit(self, reply_id: int, spoken_text: str, complete: bool) -> None: ...
+
+
+@dataclass
+class _Turn:
+    reply_id: int
+    t_end_of_turn: float
+    user_ms: float
+    transcript: Optional[str] = None
+    t_first_token: Optional[float] = None
+    t_first_audio: Optional[float] = None
+    t_onset: Optional[float] = None
+    generated: str = ""
+    interrupted: bool = False
+    metrics: dict = field(default_factory=dict)
+
+
+class Conversation:
+    """Owns the state; runs on its own thread.
+
+    :param playback: the playback buffer (pause/resume/flush).
+    :param engine: the engine worker (turns, cancel, commit).
+    :param turn_taker: decides barge-in vs backchannel.
+    :param clock: seconds since the session started (``time.monotonic`` based by default).
+    """
+
+    def __init__(self, playback: PlaybackControl, engine: EngineControl, turn_taker: TurnTaker,
+                 clock: Optional[Callable[[], float]] = None):
+        self.playback = playback
+        self.engine = engine
+        self.turn_taker = turn_taker
+        t0 = time.monotonic()
+        self.clock = clock or (lambda: time.monotonic() - t0)
+        self.state = State.STARTING
+        self._observers: list[Observer] = []
+        self._q: "queue.SimpleQueue[tuple[str, dict]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._reply_id = 0
+        self._turn: Optional[_Turn] = None
+        self._muted_from: Optional[State] = None
+        self._barge_audio_t: Optional[float] = None
+        self.turns: list[dict] = []
+        self.idle = threading.Event()
+
+    # --- wiring ---
+    def subscribe(self, observer: Observer) -> None:
+        """``observer(event)`` is called on the conversation thread for every event; it must return fast."""
+        self._observers.append(observer)
+
+    def post(self, name: str, **info: Any) -> None:
+        """Queue an event; never blocks. ``info['t']`` defaults to now."""
+        info.setdefault("t", self.clock())
+        self._q.put((name, info))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="conversation", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._q.put(("_stop", {}))
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    @property
+    def current_reply_id(self) -> int:
+        return self._reply_id
+
+    # --- the loop ---
+    def _run(self) -> None:
+        while True:
+            name, info = self._q.get()
+            if name == "_stop":
+                return
+            handler = getattr(self, f"_on_{name}", None)
+            try:
+                if handler is not None:
+                    handler(info)
+                else:
+                    self._emit(name, **info)
+            except Exception:  # a bug here must not kill the appliance's only state owner
+                log.exception("conversation: handling %s failed", name)
+            self._update_idle()
+
+    def _update_idle(self) -> None:
+        if self.state in (State.LISTENING, State.MUTED, State.ERROR) and self._turn is None and self._q.empty():
+            self.idle.set()
+        else:
+            self.idle.clear()
+
+    def _emit(self, event: str, **info: Any) -> None:
+        info.setdefault("t", self.clock())
+        record = {"t": round(float(info.pop("t")), 4), "event": event, **info}
+        for obs in list(self._observers):
+            try:
+                obs(record)
+            except Exception:
+                log.exception("observer %r failed on %s", obs, event)
+
+    def _set(self, state: State, t: Optional[float] = None, **info: Any) -> None:
+        if state == self.state:
+            return
+        prev, self.state = self.state, state
+        self._emit("state", t=self.clock() if t is None else t, state=state.value, previous=prev.value, **info)
+
+    # --- handlers ---
+    def _on_ready(self, info: dict) -> None:
+        self._set(State.LISTENING, info["t"])
+
+    def _on_error(self, info: dict) -> None:
+        self._emit("error", **info)
+        self._set(State.ERROR, info["t"], reason=info.get("reason", ""))
+
+    def _on_engine_error(self, info: dict) -> None:
+        """A failed turn: log it, drop the reply, keep listening (the next turn may well work)."""
+        self._emit("engine_error", **info)
+        if self._turn is not None:
+            self._abort_reply(info["t"], reason="engine error")
+        if self.state in (State.THINKING, State.SPEAKING, State.INTERRUPTED):
+            self._set(State.LISTENING, info["t"])
+
+    def _on_recovered(self, info: dict) -> None:
+        self._emit("recovered", **info)
+        if self.state == State.ERROR:
+            self._set(State.LISTENING, info["t"])
+
+    def _on_mute(self, info: dict) -> None:
+        muted = info.get("muted")
+        if muted is None:
+            muted = self.state != State.MUTED
+        if muted and self.state != State.MUTED:
+            self._abort_reply(info["t"], reason="muted")
+            self._set(State.MUTED, info["t"])
+        elif not muted and self.state == State.MUTED:
+            self._set(State.LISTENING, info["t"])
+
+    def _on_stop_reply(self, info: dict) -> None:
+        """The button pressed while speaking: stop the reply, keep what was said."""
+        if self.state in (State.THINKING, State.SPEAKING, State.INTERRUPTED):
+            self._abort_reply(info["t"], reason="button")
+            self._set(State.LISTENING, info["t"])
+
+    def _on_vad_onset(self, info: dict) -> None:
+        self._emit("vad_onset", **info)
+        if self.state == State.SPEAKING:
+            self.playback.pause()
+            self._barge_audio_t = info.get("audio_t")
+            if self._turn:
+                self._turn.t_onset = info["t"]
+            self._emit("interrupted", t=self.clock(), onset_t=info["t"])
+            self._set(State.INTERRUPTED)
+
+    def _on_vad_start(self, info: dict) -> None:
+        self._emit("vad_start", **info)
+
+    def _on_vad_progress(self, info: dict) -> None:
+        if self.state == State.INTERRUPTED:
+            decision = self.turn_taker.during(info.get("speech_ms", 0.0), info.get("audio"))
+            if decision == BargeInDecision.INTERRUPT:
+                self._flush(info["t"], reason="long speech")
+
+    def _on_vad_reject(self, info: dict) -> None:
+        self._emit("vad_reject", **{k: v for k, v in info.items() if k != "audio"})
+        if self.state == State.INTERRUPTED:
+            self._resume(info["t"], reason="not speech")
+
+    def _on_vad_end(self, info: dict) -> None:
+        audio = info.pop("audio", None)
+        transcript = info.pop("transcript", None)
+        self._emit("vad_end", **info)
+        if self.state == State.INTERRUPTED:
+            decision = self.turn_taker.at_end(info.get("speech_ms", 0.0), audio, transcript)
+            if decision == BargeInDecision.RESUME:
+                self._resume(info["t"], reason="backchannel", transcript=transcript)
+                return
+            self._flush(info["t"], reason="interruption")
+        if self.state == State.THINKING and self._turn is not None:
+            # The user went on talking before we said anything: drop the unsaid reply, take the new words.
+            self._abort_reply(info["t"], reason="user continued")
+            self._set(State.LISTENING, info["t"])
+        if self.state != State.LISTENING:
+            return
+        self._reply_id += 1
+        self._turn = _Turn(self._reply_id, info["t"], info.get("speech_ms", 0.0), transcript)
+        self.playback.begin_reply(self._reply_id)
+        self.engine.submit_turn(self._reply_id, audio, transcript)
+        self._set(State.THINKING, info["t"], reply_id=self._reply_id)
+
+    def _on_llm_first_token(self, info: dict) -> None:
+        if self._turn and info.get("reply_id") == self._turn.reply_id:
+            self._turn.t_first_token = info["t"]
+            self._emit("llm_first_token", **info)
+
+    def _on_llm_done(self, info: dict) -> None:
+        if self._turn and info.get("reply_id") == self._turn.reply_id:
+            self._turn.generated = info.get("text", "")
+            self._turn.metrics.update({k: info[k] for k in ("prefill_tokens", "generated_tokens", "input") if k in info})
+        self._emit("llm_done", **info)
+
+    def _on_tts_first_audio(self, info: dict) -> None:
+        if self._turn and info.get("reply_id") == self._turn.reply_id:
+            self._turn.t_first_audio = info["t"]
+            self._emit("tts_first_audio", **info)
+            if self.state == State.THINKING:
+                self._set(State.SPEAKING, info["t"])
+
+    def _on_drained(self, info: dict) -> None:
+        if self._turn and info.get("reply_id") == self._turn.reply_id and self.state in (State.SPEAKING, State.THINKING):
+            text = self.playback.full_text()
+            self.engine.commit(self._turn.reply_id, text, complete=True)
+            self._end_turn(info["t"], text)
+            self._set(State.LISTENING, info["t"])
+
+    def _on_silent(self, info: dict) -> None:
+        if self.state == State.INTERRUPTED or info.get("flushed"):
+            self._emit("output_silent", **info)
+
+    # --- helpers ---
+    def _resume(self, t: float, **why: Any) -> None:
+        self.playback.resume()
+        self._emit("resumed", t=t, **why)
+        self._set(State.SPEAKING, t)
+
+    def _flush(self, t: float, reason: str) -> None:
+        if self._turn:
+            self._turn.interrupted = True
+        self._abort_reply(t, reason=reason)
+        self._set(State.LISTENING, t)
+
+    def _abort_reply(self, t: float, reason: str) -> None:
+        """Stop the current reply wherever it is: drop unplayed audio, cancel generation, keep only the
+        text that reached the speaker in the history."""
+        if self._turn is None:
+            return
+        dropped = self.playback.flush()
+        self.engine.cancel(self._turn.reply_id)
+        spoken = self.playback.spoken_text()
+        self.engine.commit(self._turn.reply_id, spoken, complete=False)
+        self._emit("flushed", t=t, reason=reason, dropped_samples=dropped, spoken=spoken,
+                   synthesized=self.playback.full_text())
+        self._end_turn(t, spoken)
+
+    def _end_turn(self, t: float, text: str) -> None:
+        turn = self._turn
+        if turn is None:
+            return
+        self._turn = None
+        ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000.0, 1)  # noqa: E731
+        metrics = {
+            "reply_id": turn.reply_id,
+            "user_speech_ms": round(turn.user_ms, 1),
+            "eot_to_first_token_ms": ms(turn.t_end_of_turn, turn.t_first_token),
+            "first_token_to_first_audio_ms": ms(turn.t_first_token, turn.t_first_audio),
+            "eot_to_first_audio_ms": ms(turn.t_end_of_turn, turn.t_first_audio),
+            "interrupted": turn.interrupted,
+            **turn.metrics,
+        }
+        if turn.transcript is not None:
+            metrics["heard_transcript"] = turn.transcript
+        self.turns.append(metrics)
+        self._emit("turn_end", t=t, text=text, **{k: v for k, v in metrics.items() if k != "reply_id"}, reply_id=turn.reply_id)

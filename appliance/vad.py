@@ -1,0 +1,194 @@
+"""Silero VAD (ONNX, run with onnxruntime on one thread) and the speech/silence hysteresis.
+
+Model facts (Silero VAD v5/v6 ONNX, the file ``silero_vad.onnx`` shipped in the PyPI package
+``silero-vad``): input ``input`` float32 [1, 576] = 64 samples of context (the tail of the previous window)
++ 512 new samples at 16 kHz; ``state`` float32 [2, 1, 128]; ``sr`` int64 scalar; outputs ``output``
+[1, 1] speech probability and ``stateN`` (the next state).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .errors import UserError
+
+SAMPLE_RATE = 16000
+WINDOW = 512  # samples per VAD window at 16 kHz = 32 ms
+CONTEXT = 64  # samples of left context the model expects before each window
+WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE
+
+
+def bundled_model_path() -> Path:
+    """Path of ``silero_vad.onnx`` inside the installed ``silero-vad`` package (without importing it: its
+    ``__init__`` imports torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("silero-vad is not installed: run `pip install --no-deps silero-vad` (or `make venv`)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "silero_vad.onnx"
+
+
+class SileroVad:
+    """One Silero VAD stream: feed 512-sample windows, get speech probabilities.
+
+    Not thread-safe: one owner calls :meth:`probability`.
+    """
+
+    def __init__(self, model_path: Optional[str | Path] = None):
+        import onnxruntime as ort
+
+        path = Path(model_path) if model_path else bundled_model_path()
+        if not path.is_file():
+            raise UserError(f"{path}: Silero VAD model not found; reinstall with `pip install --no-deps silero-vad`")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        try:
+            self._session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise UserError(f"{path}: not a loadable ONNX model ({exc.__class__.__name__}); reinstall silero-vad") from None
+        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the recurrent state and the context (start of a new stream)."""
+        self._state = np.zeros((2, 1, 128), dtype=np.float32)
+        self._context = np.zeros(CONTEXT, dtype=np.float32)
+
+    def probability(self, window: np.ndarray) -> float:
+        """Speech probability of one window.
+
+        :param window: float32 [512] mono PCM at 16 kHz in [-1, 1].
+        :returns: probability in [0, 1].
+        :raises ValueError: if the window is not 512 samples.
+        """
+        if window.shape != (WINDOW,):
+            raise ValueError(f"VAD window must be {WINDOW} samples, got {window.shape}")
+        x = np.concatenate([self._context, window.astype(np.float32, copy=False)])[None, :]
+        out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._sr})
+        self._context = x[0, -CONTEXT:].copy()
+        return float(out[0, 0])
+
+
+@dataclass
+class VadEvent:
+    """What the segmenter saw in one window.
+
+    ``kind`` is one of:
+    - ``"onset"``: the first window above threshold after silence (a candidate; used for an instant pause);
+    - ``"start"``: speech confirmed (``min_speech_ms`` of speech since the onset);
+    - ``"reject"``: the candidate ended before it was confirmed (a click, a bump);
+    - ``"end"``: end of turn, ``min_silence_ms`` of silence after confirmed speech; ``audio`` holds the
+      utterance, float32 mono 16 kHz, from the onset (plus a little lead-in) to the end of speech.
+    ``t_sample`` is the index, in samples at 16 kHz since the stream started, of the window's first sample.
+    """
+
+    kind: str
+    t_sample: int
+    prob: float
+    audio: Optional[np.ndarray] = None
+    speech_ms: float = 0.0
+
+
+@dataclass
+class VadSegmenter:
+    """Hysteresis over Silero probabilities: onset, confirmed start, end of turn.
+
+    Defaults (threshold 0.5, speech start after 250 ms, end after 500 ms of silence) follow Silero's
+    reference ``get_speech_timestamps``; the end threshold is ``threshold - 0.15`` as there.
+    """
+
+    vad: SileroVad
+    threshold: float = 0.5
+    min_speech_ms: int = 250
+    min_silence_ms: int = 500
+    max_utterance_s: float = 30.0
+    lead_in_ms: int = 200
+    infer_ms: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._buf = np.zeros(0, dtype=np.float32)
+        self._n = 0  # samples consumed
+        self._in_speech = False
+        self._confirmed = False
+        self._onset = 0
+        self._last_voice = 0
+        self._utt: list[np.ndarray] = []
+        self._history: list[np.ndarray] = []  # recent windows for lead-in
+
+    def reset(self) -> None:
+        self.vad.reset()
+        self.__post_init__()
+
+    @property
+    def in_speech(self) -> bool:
+        return self._in_speech
+
+    @property
+    def confirmed(self) -> bool:
+        """True between a ``start`` and its ``end``."""
+        return self._in_speech and self._confirmed
+
+    @property
+    def speech_ms(self) -> float:
+        """Speech so far in the current candidate or utterance, ms."""
+        return (self._last_voice - self._onset) * 1000.0 / SAMPLE_RATE if self._in_speech else 0.0
+
+    def push(self, block: np.ndarray) -> list[VadEvent]:
+        """Feed float32 mono 16 kHz samples of any length; returns the events of completed windows."""
+        self._buf = np.concatenate([self._buf, block.astype(np.float32, copy=False)])
+        events: list[VadEvent] = []
+        while len(self._buf) >= WINDOW:
+            w, self._buf = self._buf[:WINDOW], self._buf[WINDOW:]
+            events.extend(self._window(w))
+        return events
+
+    def _window(self, w: np.ndarray) -> list[VadEvent]:
+        t0 = time.perf_counter()
+        p = self.vad.probability(w)
+        self.infer_ms.append((time.perf_counter() - t0) * 1000.0)
+        if len(self.infer_ms) > 4096:
+            del self.infer_ms[:2048]
+        start = self._n
+        self._n += WINDOW
+        events: list[VadEvent] = []
+        if not self._in_speech:
+            self._history.append(w)
+            lead = max(1, int(self.lead_in_ms / WINDOW_MS))
+            del self._history[:-lead]
+            if p >= self.threshold:
+                self._in_speech, self._confirmed = True, False
+                self._onset = self._last_voice = start
+                self._utt = list(self._history)
+                events.append(VadEvent("onset", start, p))
+            return events
+        self._utt.append(w)
+        if p >= self.threshold - 0.15:
+            self._last_voice = start + WINDOW
+        speech_ms = (self._last_voice - self._onset) * 1000.0 / SAMPLE_RATE
+        silence_ms = (self._n - self._last_voice) * 1000.0 / SAMPLE_RATE
+        if not self._confirmed and speech_ms >= self.min_speech_ms:
+            self._confirmed = True
+            events.append(VadEvent("start", start, p, speech_ms=speech_ms))
+        too_long = (self._n - self._onset) / SAMPLE_RATE >= self.max_utterance_s
+        if silence_ms >= self.min_silence_ms or too_long:
+            keep = len(self._utt) - int((self._n - self._last_voice) / WINDOW) + 2
+            audio = np.concatenate(self._utt[: max(1, keep)])
+            kind = "end" if self._confirmed else "reject"
+            events.append(VadEvent(kind, start, p, audio=audio, speech_ms=speech_ms))
+            self._in_speech = self._confirmed = False
+            self._utt, self._history = [], []
+        elif not self._confirmed and silence_ms >= 96:
+            # A candidate that fell silent before it was confirmed: not speech (a click, a knock).
+            events.append(VadEvent("reject", start, p, speech_ms=speech_ms))
+            self._in_speech = False
+            self._utt, self._history = [], []
+        return events
