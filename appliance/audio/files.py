@@ -1,0 +1,61 @@
+"""Reading and writing audio files, with one-line errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+
+MODEL_RATE = 16000  # the VAD's and Gemma 4's audio rate (Silero VAD; mtmd_get_audio_sample_rate)
+
+
+def resample(audio: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
+    """Resample float32 mono audio with soxr (VHQ); returns float32."""
+    if src_rate == dst_rate:
+        return np.asarray(audio, dtype=np.float32)
+    import soxr
+
+    return soxr.resample(np.asarray(audio, dtype=np.float32), src_rate, dst_rate).astype(np.float32)
+
+
+def load_audio(path: str | Path, rate: int = MODEL_RATE) -> np.ndarray:
+    """Read any WAV/FLAC/OGG that libsndfile reads, mix to mono, resample to ``rate``.
+
+    :returns: float32 [n] in [-1, 1] at ``rate`` Hz.
+    :raises UserError: missing file, not audio, or empty audio (one line naming the file).
+    """
+    import soundfile as sf
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: audio file not found; check the path (relative paths in a scenario are relative to the scenario file)")
+    try:
+        data, sr = sf.read(str(path), dtype="float32", always_2d=True)
+    except (RuntimeError, sf.LibsndfileError, TypeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise UserError(f"{path}: not a readable audio file ({reason}); give a WAV, FLAC or OGG recording") from None
+    if data.size == 0:
+        raise UserError(f"{path}: the audio file holds no samples; record or generate some speech into it")
+    mono = data.mean(axis=1)
+    return resample(mono, int(sr), rate)
+
+
+def write_wav(path: str | Path, audio: np.ndarray, rate: int) -> None:
+    """Write float32 mono audio as 16-bit PCM WAV."""
+    import soundfile as sf
+
+    sf.write(str(path), np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), rate, subtype="PCM_16")
+
+
+def dbfs(x: np.ndarray) -> float:
+    """RMS level in dB relative to full scale (a full-scale square wave is 0 dBFS)."""
+    rms = float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if len(x) else 0.0
+    return 20.0 * np.log10(max(rms, 1e-10))
+
+
+def first_above(x: np.ndarray, threshold_dbfs: float = -40.0) -> int:
+    """Index of the first sample whose magnitude is above ``threshold_dbfs`` (peak), or -1."""
+    idx = np.nonzero(np.abs(x) > 10 ** (threshold_dbfs / 20.0))[0]
+    return int(idx[0]) if len(idx) else -1

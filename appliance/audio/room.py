@@ -1,0 +1,289 @@
+"""The simulated room behind ``appliance replay``, the tests and the benchmarks.
+
+It stands where the sound card would: every block (10 ms) it asks the playback buffer for the next
+output block, exactly as the output callback does, records it on the timeline (``reply.wav``), and builds
+the microphone block from the scripted user speech, the appliance's own output fed back at
+``echo_gain_db`` after ``echo_delay_ms`` (the far end leaking into the near end), and looped background
+noise. It hands the microphone block and the far-end reference to the capture side, as the input
+callback does. Paced on the wall clock by default, so every latency it reports includes real compute.
+
+Scenario files (YAML)::
+
+    events:
+      - at: 0.5                  # seconds from start
+        say: question.wav        # relative to the scenario file; any rate, mono or stereo
+        text: "What is a rainbow?"
+      - after: speaking          # when the appliance next starts speaking...
+        delay: 1.2               # ...plus 1.2 s
+        say: wait.wav
+        text: "Wait, stop."
+    room:
+      echo_gain_db: -10
+      echo_delay_ms: 30
+      noise: fan.wav
+      noise_gain_db: -30
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import yaml
+
+from ..errors import UserError
+from .files import MODEL_RATE, first_above, load_audio
+
+BLOCK = 160  # 10 ms at 16 kHz
+
+
+@dataclass
+class ScriptedUtterance:
+    """One thing the user says. ``at`` is absolute (s) or None with ``after``/``delay``."""
+
+    audio: np.ndarray
+    text: Optional[str]
+    source: str
+    at: Optional[float] = None
+    after: Optional[str] = None
+    delay: float = 0.0
+    gain_db: float = 0.0
+    start_sample: Optional[int] = None  # placed on the timeline when it fires
+
+    @property
+    def onset_offset(self) -> int:
+        """Samples from the start of the file to the first sample above -40 dBFS."""
+        i = first_above(self.audio, -40.0)
+        return max(0, i)
+
+
+@dataclass
+class RoomSpec:
+    echo_gain_db: Optional[float] = None  # None: no echo path (headphones)
+    echo_delay_ms: float = 30.0
+    noise: Optional[np.ndarray] = None
+    noise_gain_db: float = -30.0
+    impulse_response: Optional[np.ndarray] = None
+
+
+@dataclass
+class Scenario:
+    events: list[ScriptedUtterance]
+    room: RoomSpec = field(default_factory=RoomSpec)
+    path: Optional[Path] = None
+
+    @classmethod
+    def from_wav(cls, path: str | Path, at: float = 0.5, text: Optional[str] = None) -> "Scenario":
+        audio = load_audio(path)
+        return cls([ScriptedUtterance(audio, text, str(path), at=at)], path=Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Scenario":
+        """Parse a scenario YAML. Raises :class:`UserError` naming the file, the event and the fix."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"{path}: scenario file not found; check the path") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"{path}: invalid YAML{where}; fix the syntax (see the scenario format in the README)") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: cannot read the scenario ({exc.__class__.__name__})") from None
+        if not isinstance(data, dict) or not data.get("events"):
+            raise UserError(f"{path}: the scenario has no events; add an `events:` list with at least one `say:` entry")
+        unknown = set(data) - {"events", "room"}
+        if unknown:
+            raise UserError(f"{path}: unknown top-level key(s) {sorted(unknown)}; only `events` and `room` are allowed")
+        if not isinstance(data["events"], list):
+            raise UserError(f"{path}: `events` must be a list of entries with `at:` or `after:` and `say:`")
+        base = path.parent
+        events = []
+        for i, ev in enumerate(data["events"], 1):
+            where = f"{path}: event {i}"
+            if not isinstance(ev, dict):
+                raise UserError(f"{where}: must be a mapping with `say:` and `at:` or `after:`")
+            extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db"}
+            if extra:
+                raise UserError(f"{where}: unknown key(s) {sorted(extra)}; allowed: at, after, delay, say, text, gain_db")
+            if "say" not in ev or not isinstance(ev["say"], str):
+                raise UserError(f"{where}: needs `say: FILE.wav` (a path relative to the scenario file)")
+            if ("at" in ev) == ("after" in ev):
+                raise UserError(f"{where}: give exactly one of `at: SECONDS` or `after: speaking`")
+            if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
+                raise UserError(f"{where}: `after:` must be speaking, thinking or listening, not {ev['after']!r}")
+            for key in ("at", "delay", "gain_db"):
+                if key in ev and (not isinstance(ev[key], (int, float)) or isinstance(ev[key], bool)):
+                    raise UserError(f"{where}: `{key}` must be a number of seconds (or dB), not {ev[key]!r}")
+            if "at" in ev and ev["at"] < 0:
+                raise UserError(f"{where}: `at` must be >= 0 seconds")
+            text = ev.get("text")
+            if text is not None and not isinstance(text, str):
+                raise UserError(f"{where}: `text` must be a string (the transcript)")
+            audio = load_audio(base / ev["say"])
+            events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
+                                            delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0))))
+        room = RoomSpec()
+        r = data.get("room") or {}
+        if not isinstance(r, dict):
+            raise UserError(f"{path}: `room` must be a mapping (echo_gain_db, echo_delay_ms, noise, noise_gain_db)")
+        extra = set(r) - {"echo_gain_db", "echo_delay_ms", "noise", "noise_gain_db"}
+        if extra:
+            raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}; allowed: echo_gain_db, echo_delay_ms, noise, noise_gain_db")
+        for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db"):
+            if key in r and (not isinstance(r[key], (int, float)) or isinstance(r[key], bool)):
+                raise UserError(f"{path}: room.{key} must be a number, not {r[key]!r}")
+        if "echo_gain_db" in r:
+            room.echo_gain_db = float(r["echo_gain_db"])
+        room.echo_delay_ms = float(r.get("echo_delay_ms", 30.0))
+        if r.get("noise"):
+            room.noise = load_audio(base / str(r["noise"]))
+        room.noise_gain_db = float(r.get("noise_gain_db", -30.0))
+        return cls(events, room, path)
+
+    def transcript_at(self, sample: int) -> Optional[str]:
+        """The transcript of the scripted utterance that was playing at ``sample`` (16 kHz), if any."""
+        best = None
+        for ev in self.events:
+            if ev.start_sample is None:
+                continue
+            if ev.start_sample - BLOCK * 50 <= sample <= ev.start_sample + len(ev.audio):
+                best = ev
+        return best.text if best else None
+
+
+class SimulatedRoom:
+    """Plays the scenario into the pipeline and records what the appliance says.
+
+    :param scenario: what the user says and the room's acoustics.
+    :param read_output: ``read_output(n) -> float32 [n]``: the playback buffer's read (the output callback).
+    :param capture: ``capture(mic, far_end)``: hands a 10 ms microphone block and the far-end block to the
+        capture side (the input callback).
+    :param clock: the session clock, seconds.
+    :param on_event: ``on_event(record)`` for ground-truth events (``user_speech``), ``t`` in seconds.
+    :param paced: True to run in real time on the wall clock.
+    """
+
+    def __init__(self, scenario: Scenario, read_output: Callable[[int], np.ndarray],
+                 capture: Callable[[np.ndarray, np.ndarray], None], on_event: Callable[[dict], None],
+                 paced: bool = True, rate: int = MODEL_RATE):
+        self.scenario = scenario
+        self.read_output = read_output
+        self.capture = capture
+        self.on_event = on_event
+        self.paced = paced
+        self.rate = rate
+        self.block = BLOCK
+        self.n = 0  # samples elapsed
+        self._lock = threading.Lock()
+        self._pending = list(scenario.events)
+        self._armed: Optional[int] = None  # sample at which the next `after:` event fires
+        self._active: list[tuple[int, np.ndarray]] = []
+        self.output: list[np.ndarray] = []
+        self.mic: list[np.ndarray] = []
+        spec = scenario.room
+        self._echo_gain = None if spec.echo_gain_db is None else 10 ** (spec.echo_gain_db / 20.0)
+        self._echo_delay = int(spec.echo_delay_ms * rate / 1000.0)
+        self._echo_line = np.zeros(self._echo_delay + BLOCK * 2, dtype=np.float32)
+        self._noise = spec.noise
+        self._noise_gain = 10 ** (spec.noise_gain_db / 20.0)
+        self._stop = threading.Event()
+        self.t0 = 0.0
+
+    # --- conversation observer: arms `after:` events on state transitions ---
+    def observe(self, record: dict) -> None:
+        if record.get("event") != "state":
+            return
+        with self._lock:
+            if self._pending and self._pending[0].after == record.get("state") and self._armed is None \
+                    and not self._active_speech():
+                ev = self._pending[0]
+                self._armed = self.n + int(ev.delay * self.rate)
+
+    def _active_speech(self) -> bool:
+        return any(start + len(a) > self.n for start, a in self._active)
+
+    @property
+    def finished_script(self) -> bool:
+        with self._lock:
+            return not self._pending and not self._active_speech()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, until: Callable[[], bool], max_seconds: float) -> None:
+        """Run blocks until ``until()`` is true (checked every block) or ``max_seconds`` of audio."""
+        if not self.t0:
+            self.t0 = time.monotonic()
+        limit = int(max_seconds * self.rate)
+        while self.n < limit and not self._stop.is_set():
+            if self.paced:
+                due = self.t0 + (self.n + self.block) / self.rate
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            self.tick()
+            if until():
+                break
+
+    def tick(self) -> None:
+        n, b = self.n, self.block
+        out = np.asarray(self.read_output(b), dtype=np.float32)
+        self.output.append(out)
+        mic = np.zeros(b, dtype=np.float32)
+        with self._lock:
+            self._fire(n)
+            for start, audio in self._active:
+                lo, hi = max(n, start), min(n + b, start + len(audio))
+                if hi > lo:
+                    mic[lo - n : hi - n] += audio[lo - start : hi - start]
+            self._active = [(s, a) for s, a in self._active if s + len(a) > n + b]
+        if self._echo_gain is not None:
+            line = np.concatenate([self._echo_line, out])
+            echo = line[len(line) - b - self._echo_delay : len(line) - self._echo_delay]
+            self._echo_line = line[-(self._echo_delay + b * 2):]
+            mic += self._echo_gain * echo
+        if self._noise is not None and len(self._noise):
+            idx = (np.arange(n, n + b) % len(self._noise))
+            mic += self._noise_gain * self._noise[idx]
+        self.mic.append(mic)
+        self.n += b
+        self.capture(mic, out)
+
+    def _fire(self, n: int) -> None:
+        while self._pending:
+            ev = self._pending[0]
+            if ev.at is not None:
+                start = int(ev.at * self.rate)
+            elif self._armed is not None:
+                start = self._armed
+            else:
+                return
+            if start > n + self.block:
+                return
+            start = max(start, n)
+            self._pending.pop(0)
+            self._armed = None
+            ev.start_sample = start
+            audio = ev.audio * (10 ** (ev.gain_db / 20.0))
+            self._active.append((start, audio))
+            onset = start + ev.onset_offset
+            last = first_above(audio[::-1], -40.0)
+            end = start + len(audio) - max(0, last)
+            self.on_event({"t": round(onset / self.rate, 4), "event": "user_speech", "source": ev.source,
+                           "text": ev.text, "onset_t": round(onset / self.rate, 4),
+                           "end_t": round(end / self.rate, 4)})
+            if self._pending and self._pending[0].after is None:
+                continue
+            return
+
+    def output_audio(self) -> np.ndarray:
+        return np.concatenate(self.output) if self.output else np.zeros(0, dtype=np.float32)
+
+    def mic_audio(self) -> np.ndarray:
+        return np.concatenate(self.mic) if self.mic else np.zeros(0, dtype=np.float32)

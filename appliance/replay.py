@@ -1,0 +1,133 @@
+"""``appliance replay``: the whole pipeline driven by the simulated room instead of sound devices.
+
+Writes ``DIR/reply.wav`` (everything the appliance said, on the input's timeline, 16 kHz),
+``DIR/timeline.jsonl`` and ``DIR/report.json`` (per-turn latencies in ms).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from .audio.files import MODEL_RATE, write_wav
+from .audio.room import Scenario, SimulatedRoom
+from .config import Config
+from .errors import UserError
+from .pipeline import Parts, Session, Timeline
+
+SILENT_PEAK = 10 ** (-50 / 20)  # below -50 dBFS peak counts as silence
+SILENT_RUN = int(0.020 * MODEL_RATE)  # ... for at least 20 ms
+
+
+def load_input(path: str | Path) -> Scenario:
+    """A scenario YAML, or a WAV (any rate, mono or stereo) played at 0.5 s."""
+    path = Path(path)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return Scenario.load(path)
+    return Scenario.from_wav(path)
+
+
+def output_silent_after(output: np.ndarray, sample: int) -> Optional[int]:
+    """First sample at or after ``sample`` where the output stays below -50 dBFS for 20 ms, or None."""
+    quiet = np.abs(output[sample:]) < SILENT_PEAK
+    if not len(quiet):
+        return None
+    run = np.convolve(quiet.astype(np.int32), np.ones(SILENT_RUN, dtype=np.int32), mode="valid")
+    idx = np.nonzero(run == SILENT_RUN)[0]
+    return sample + int(idx[0]) if len(idx) else None
+
+
+def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
+    """Pair each ``interrupted`` event with the user speech that caused it; measure when the output went
+    silent (ground truth from the recorded output) relative to the speech onset (ground truth from the
+    injected file)."""
+    speech = [r for r in records if r["event"] == "user_speech"]
+    result = []
+    for r in records:
+        if r["event"] != "interrupted":
+            continue
+        cause = [s for s in speech if s["onset_t"] <= r["t"] + 0.05]
+        if not cause:
+            continue
+        onset = cause[-1]["onset_t"]
+        silent = output_silent_after(output, int(onset * MODEL_RATE))
+        result.append({
+            "onset_t": onset,
+            "detected_ms": round((r["t"] - onset) * 1000.0, 1),
+            "output_silent_ms": None if silent is None else round((silent / MODEL_RATE - onset) * 1000.0, 1),
+        })
+    return result
+
+
+def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Config, *, paced: bool = True,
+           echo=None, print_line: Optional[Callable[[str], None]] = None, max_seconds: float = 180.0,
+           idle_tail_s: float = 1.0) -> dict:
+    """Run the scenario through a :class:`Session` in the simulated room and write the outputs.
+
+    :returns: the report (also written to ``report.json``).
+    :raises UserError: bad input (scenario, audio files) or a text-only model with no transcript.
+    """
+    scenario = load_input(input_path)
+    hears = parts.engine.hears_audio
+    if not hears:
+        missing = [i for i, e in enumerate(scenario.events, 1) if not e.text]
+        if missing:
+            raise UserError(f"{input_path}: the model is text-only and event(s) {missing} have no `text:` transcript; "
+                            "add `text:` to each event (or give a model with an audio projector)")
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the output directory ({exc.strerror})") from None
+    timeline = Timeline(out / "timeline.jsonl", echo=print_line)
+    holder: dict = {}
+    clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
+    session = Session(cfg, parts, out_rate=MODEL_RATE, echo=echo,
+                      transcript_at=None if hears else scenario.transcript_at, clock=clock)
+    room = SimulatedRoom(scenario, session.playback.read, session.listener.capture, on_event=timeline, paced=paced)
+    holder["room"] = room
+    session.conversation.subscribe(timeline)
+    session.conversation.subscribe(room.observe)
+    room.t0 = time.monotonic()
+    timeline({"t": 0.0, "event": "replay_start", "input": str(input_path), "model": parts.engine.model_path.name,
+              "hears_audio": hears, "heard_as": "audio" if hears else "transcript (text-only model)",
+              "paced": paced})
+    session.start()
+    idle_since = [None]
+
+    def done() -> bool:
+        idle = room.finished_script and session.conversation.idle.is_set() and not session.segmenter.in_speech
+        if not idle:
+            idle_since[0] = None
+            return False
+        if idle_since[0] is None:
+            idle_since[0] = room.n
+        return (room.n - idle_since[0]) >= idle_tail_s * MODEL_RATE
+
+    try:
+        room.run(done, max_seconds=max_seconds)
+    finally:
+        session.stop()
+        timeline({"t": round(room.n / MODEL_RATE, 4), "event": "replay_end"})
+        timeline.close()
+    output = room.output_audio()
+    write_wav(out / "reply.wav", output, MODEL_RATE)
+    states = [r["state"] for r in timeline.records if r["event"] == "state"]
+    report = {
+        "input": str(input_path),
+        "model": parts.engine.model_path.name,
+        "heard_as": "audio" if hears else "transcript",
+        "duration_s": round(room.n / MODEL_RATE, 3),
+        "turns": session.conversation.turns,
+        "barge_ins": barge_ins(timeline.records, output),
+        "states": states,
+        "timed_out": room.n >= int(max_seconds * MODEL_RATE),
+        "vad_ms_per_chunk": round(float(np.mean(session.segmenter.infer_ms)), 3) if session.segmenter.infer_ms else None,
+        "tts_rtf": round(session.tts_worker.synth_s / session.tts_worker.audio_s, 3) if session.tts_worker.audio_s else None,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    return report
