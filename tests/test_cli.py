@@ -1,0 +1,105 @@
+"""Bad input gets one line naming the file and the fix, exit code 2, no traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DEMO
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def appliance(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [l for l in r.stderr.splitlines() if l.strip() and "llama_kv_cache" not in l]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_missing_model_file(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("model:\n  gguf: /nonexistent/model.gguf\n  mmproj: null\n")
+    r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(tmp_path / "o"), "--config", str(cfg))
+    one_line_error(r, "/nonexistent/model.gguf", "model.gguf")
+
+
+def test_wav_that_is_not_audio(tmp_path):
+    bad = tmp_path / "question.wav"
+    bad.write_text("this is not a wav file\n")
+    r = appliance("replay", str(bad), "--out", str(tmp_path / "o"), "--embedded")
+    one_line_error(r, str(bad), "not a readable audio file")
+
+
+def test_empty_scenario(tmp_path):
+    sc = tmp_path / "empty.yaml"
+    sc.write_text("events: []\n")
+    r = appliance("replay", str(sc), "--out", str(tmp_path / "o"), "--embedded")
+    one_line_error(r, str(sc), "no events")
+
+
+def test_scenario_with_missing_audio(tmp_path):
+    sc = tmp_path / "s.yaml"
+    sc.write_text("events:\n  - at: 0.5\n    say: nowhere.wav\n    text: hi\n")
+    r = appliance("replay", str(sc), "--out", str(tmp_path / "o"), "--embedded")
+    one_line_error(r, "nowhere.wav", "not found")
+
+
+def test_text_only_model_needs_transcripts(tmp_path):
+    sc = tmp_path / "s.yaml"
+    sc.write_text(f"events:\n  - at: 0.5\n    say: {DEMO / 'question.wav'}\n")
+    r = appliance("replay", str(sc), "--out", str(tmp_path / "o"), "--embedded")
+    one_line_error(r, str(sc), "text:")
+
+
+def test_config_key_of_wrong_type(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("vad:\n  threshold: 0.5\n  min_silence_ms: lots\n")
+    r = appliance("check-config", str(cfg))
+    line = one_line_error(r, str(cfg), "line 3", "vad.min_silence_ms", "'lots'")
+
+
+def test_config_unknown_key_suggests(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("vad:\n  treshold: 0.6\n")
+    r = appliance("check-config", str(cfg))
+    one_line_error(r, "line 2", "vad.treshold", "did you mean 'threshold'")
+
+
+def test_config_invalid_yaml(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("vad:\n  threshold: [0.5\n")
+    r = appliance("check-config", str(cfg))
+    one_line_error(r, str(cfg), "invalid YAML")
+
+
+def test_config_reports_every_problem_at_once(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("vad:\n  threshold: 2\naudio:\n  outptu: x\n")
+    line = one_line_error(appliance("check-config", str(cfg)))
+    assert "vad.threshold" in line and "audio.outptu" in line
+
+
+def test_shipped_config_is_valid():
+    r = appliance("check-config", str(ROOT / "config.yaml"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_run_refuses_a_text_only_model(tmp_path):
+    r = appliance("run", "--embedded")
+    one_line_error(r, "text-only", "mmproj")
+
+
+def test_say_writes_a_wav(tmp_path):
+    out = tmp_path / "hello.wav"
+    r = appliance("say", "Hello from the appliance.", "--out", str(out), "--embedded")
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 20000

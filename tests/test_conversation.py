@@ -1,0 +1,147 @@
+"""The state machine, driven by posted events, around the real engine (embedded GGUF), Piper and playback.
+
+The output callback is played by this test (``playback.read``), as the sound card would.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from appliance.conversation import State
+from appliance.pipeline import Session
+
+
+class Recorder:
+    def __init__(self):
+        self.records = []
+        self.cond = threading.Condition()
+
+    def __call__(self, r):
+        with self.cond:
+            self.records.append(r)
+            self.cond.notify_all()
+
+    def states(self):
+        return [r["state"] for r in self.records if r["event"] == "state"]
+
+    def wait_for(self, pred, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred(self.records):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out; saw {[(r['event'], r.get('state')) for r in self.records]}")
+                self.cond.wait(left)
+
+    def wait_state(self, state, timeout=30.0):
+        self.wait_for(lambda rs: any(r["event"] == "state" and r["state"] == state for r in rs), timeout)
+
+
+class Speaker(threading.Thread):
+    """Stands in for the output callback: reads 10 ms blocks in real time."""
+
+    def __init__(self, playback):
+        super().__init__(daemon=True)
+        self.playback = playback
+        self.out = []
+        self.running = True
+
+    def run(self):
+        while self.running:
+            self.out.append(self.playback.read(160))
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def session(fresh_parts, embedded_cfg):
+    s = Session(embedded_cfg, fresh_parts, out_rate=16000)
+    rec = Recorder()
+    s.conversation.subscribe(rec)
+    spk = Speaker(s.playback)
+    spk.start()
+    s.start()
+    rec.wait_state("listening")
+    yield s, rec
+    spk.running = False
+    s.stop()
+
+
+def user_turn(s, text):
+    s.conversation.post("vad_onset")
+    s.conversation.post("vad_start", speech_ms=300.0)
+    s.conversation.post("vad_end", speech_ms=900.0, audio=np.zeros(16000, np.float32), transcript=text)
+
+
+def test_a_turn_goes_listening_thinking_speaking_listening(session):
+    s, rec = session
+    user_turn(s, "What is a rainbow?")
+    rec.wait_for(lambda rs: any(r["event"] == "turn_end" for r in rs), timeout=60)
+    assert rec.states() == ["listening", "thinking", "speaking", "listening"]
+    end = [r for r in rec.records if r["event"] == "turn_end"][0]
+    assert end["text"] and not end["interrupted"]
+    assert end["eot_to_first_token_ms"] > 0 and end["eot_to_first_audio_ms"] >= end["eot_to_first_token_ms"]
+    # The engine's history holds the whole exchange.
+    assert s.engine_worker.sync()
+    hist = s.parts.engine.history
+    assert [m.role for m in hist] == ["user", "model"] and hist[0].text == "What is a rainbow?"
+
+
+def test_barge_in_pauses_then_flushes_and_keeps_only_spoken_text(session):
+    s, rec = session
+    user_turn(s, "Tell me about rainbows.")
+    rec.wait_state("speaking", timeout=60)
+    time.sleep(0.4)
+    s.conversation.post("vad_onset")
+    rec.wait_state("interrupted")
+    assert s.playback.paused
+    s.conversation.post("vad_progress", speech_ms=800.0)  # longer than backchannel_max_ms: an interruption
+    rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs))
+    flushed = [r for r in rec.records if r["event"] == "flushed"][0]
+    assert rec.states()[-3:] == ["speaking", "interrupted", "listening"]
+    assert s.engine_worker.sync()  # the engine thread commits after the cancel
+    reply = s.parts.engine.history[-1]
+    assert reply.role == "model" and reply.text == flushed["spoken"].strip()
+    assert len(flushed["spoken"]) < len(flushed["synthesized"]) or flushed["dropped_samples"] > 0
+
+
+def test_a_noise_while_speaking_resumes(session):
+    s, rec = session
+    user_turn(s, "Tell me about the sea.")
+    rec.wait_state("speaking", timeout=60)
+    time.sleep(0.2)
+    s.conversation.post("vad_onset")
+    rec.wait_state("interrupted")
+    s.conversation.post("vad_reject", speech_ms=64.0)
+    rec.wait_for(lambda rs: any(r["event"] == "resumed" for r in rs))
+    assert rec.states()[-2:] == ["interrupted", "speaking"]
+    assert not s.playback.paused
+
+
+def test_backchannel_resumes_but_stop_flushes(session):
+    s, rec = session
+    user_turn(s, "Tell me about the sea.")
+    rec.wait_state("speaking", timeout=60)
+    s.conversation.post("vad_onset")
+    rec.wait_state("interrupted")
+    s.conversation.post("vad_end", speech_ms=400.0, audio=np.zeros(6400, np.float32), transcript="uh-huh")
+    rec.wait_for(lambda rs: any(r["event"] == "resumed" for r in rs))
+    s.conversation.post("vad_onset")
+    rec.wait_for(lambda rs: rec.states().count("interrupted") == 2)
+    s.conversation.post("vad_end", speech_ms=400.0, audio=np.zeros(6400, np.float32), transcript="Stop.")
+    rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs))
+    # "Stop." is as short as "uh-huh" but is an interruption; it becomes the next user turn.
+    rec.wait_for(lambda rs: rec.states().count("thinking") == 2, timeout=60)
+
+
+def test_mute_ignores_speech(session):
+    s, rec = session
+    s.conversation.post("mute", muted=True)
+    rec.wait_state("muted")
+    user_turn(s, "Are you there?")
+    time.sleep(0.5)
+    assert rec.states() == ["listening", "muted"]
+    assert s.listener.muted
+    s.conversation.post("mute", muted=False)
+    rec.wait_for(lambda rs: rec.states()[-1] == "listening")

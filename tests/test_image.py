@@ -1,0 +1,390 @@
+"""Fast structure checks of the SD-card image that build-image.sh produces.
+
+A small Debian root (mmdebstrap --variant=essential + systemd, host
+architecture, cached) stands in for the full arm64 root: everything the script
+adds on top of the Debian packages — users, units, config, fstab, boot
+partition, genimage layout — is the same code path as a real build. The image
+is then inspected without mounting it: sfdisk, mtools, e2fsck, debugfs and
+systemd-analyze.
+
+Needs root and the Debian packages listed in docs/image.md; each test skips
+with the reason when one is missing. The slow boot test is `make test-image`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "build-image.sh"
+CACHE = Path(os.environ.get("APPLIANCE_IMAGE_CACHE", Path.home() / ".cache" / "appliance-image"))
+DISK_SIG = "a1b2c3d4"
+HOSTNAME = "citest"
+ADMIN = "pilot"
+HAT = "respeaker-2mic-v1"
+MiB = 1024 * 1024
+
+TOOLS = {
+    "mmdebstrap": "mmdebstrap",
+    "genimage": "genimage",
+    "mkdosfs": "dosfstools",
+    "mcopy": "mtools",
+    "mdir": "mtools",
+    "mke2fs": "e2fsprogs",
+    "e2fsck": "e2fsprogs",
+    "debugfs": "e2fsprogs",
+    "sfdisk": "fdisk",
+    "systemd-analyze": "systemd",
+    "ssh-keygen": "openssh-client",
+}
+
+
+def _missing_tools() -> list[str]:
+    return [f"{t} ({p})" for t, p in TOOLS.items() if shutil.which(t) is None]
+
+
+def _require_env() -> None:
+    missing = _missing_tools()
+    if missing:
+        pytest.skip("image tools missing: " + ", ".join(missing))
+    if os.geteuid() != 0:
+        pytest.skip("build-image.sh must run as root (it writes file owners into the image)")
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("check", True)
+    kw.setdefault("capture_output", True)
+    kw.setdefault("text", True)
+    return subprocess.run([str(c) for c in cmd], **kw)
+
+
+def _host_suite() -> str:
+    """Suite of the small root: the host's own Debian release when it is one,
+    so that the host's systemd-analyze understands the root's unit files."""
+    try:
+        text = Path("/etc/os-release").read_text()
+    except OSError:
+        return "trixie"
+    m = re.search(r"^VERSION_CODENAME=(\w+)", text, re.M)
+    if "ID=debian" in text and m:
+        return m.group(1)
+    return "trixie"
+
+
+def _host_arch() -> str:
+    return _run(["dpkg", "--print-architecture"]).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def small_root_tar() -> Path:
+    _require_env()
+    suite, arch = _host_suite(), _host_arch()
+    tar = CACHE / "test" / f"small-{suite}-{arch}-v1.tar"
+    if not tar.exists():
+        tar.parent.mkdir(parents=True, exist_ok=True)
+        part = tar.with_suffix(".part.tar")
+        _run(
+            [
+                "mmdebstrap", "--variant=essential", f"--arch={arch}",
+                "--include=systemd,systemd-sysv,passwd,procps,login",
+                "--dpkgopt=path-exclude=/usr/share/doc/*",
+                "--dpkgopt=path-exclude=/usr/share/man/*",
+                "--dpkgopt=path-exclude=/usr/share/locale/*",
+                suite, part,
+                os.environ.get("APPLIANCE_TEST_MIRROR", "http://deb.debian.org/debian"),
+            ],
+            timeout=900,
+        )
+        part.rename(tar)
+    return tar
+
+
+@pytest.fixture(scope="session")
+def config_file(tmp_path_factory) -> Path:
+    cfg = REPO / "config.yaml"
+    if cfg.exists():
+        return cfg
+    # The repository's config.yaml is what real images carry; until it
+    # exists, any YAML file exercises the same code path.
+    p = tmp_path_factory.mktemp("cfg") / "config.yaml"
+    p.write_text("# test config\naudio:\n  input: default\n")
+    return p
+
+
+@pytest.fixture(scope="session")
+def built(small_root_tar, config_file, tmp_path_factory):
+    """Build the image once; yield paths and parameters for the checks."""
+    d = tmp_path_factory.mktemp("image")
+    key = d / "id_ed25519"
+    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ci@test", "-f", key])
+    out = d / "out"
+    cmd = [
+        SCRIPT, "--target", "qemu", "--rootfs-tar", small_root_tar, "--arch", _host_arch(),
+        "--skip-python", "--no-models", "--config", config_file,
+        "--ssh-key", f"{key}.pub", "--hostname", HOSTNAME, "--user", ADMIN, "--hat", HAT,
+        "--version", "0.0.0-ci", "--out", out, "--root-size", "1G",
+        "--disk-signature", DISK_SIG, "--no-compress", "--keep-work",
+        "--cache", d / "cache",
+    ]
+    res = _run(cmd, check=False, timeout=600)
+    if res.returncode != 0:
+        pytest.fail(f"build-image.sh failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    img = out / "appliance-0.0.0-ci-qemu.img"
+    assert img.exists(), res.stderr[-2000:]
+    parts = _partitions(img)
+    # Extract the ext4 partitions (sparse) so e2fsck/debugfs can read them.
+    files = {}
+    for name, p in zip(("boot", "root", "data"), parts):
+        f = d / f"{name}.part"
+        with open(img, "rb") as src, open(f, "wb") as dst:
+            src.seek(p["start"] * 512)
+            left = p["size"] * 512
+            while left:
+                chunk = src.read(min(left, 4 * MiB))
+                if not chunk:
+                    break
+                if chunk.count(0) == len(chunk):
+                    dst.seek(len(chunk), 1)
+                else:
+                    dst.write(chunk)
+                left -= len(chunk)
+            dst.truncate(p["size"] * 512)
+        files[name] = f
+    return {
+        "img": img, "out": out, "work": out / "work-qemu", "parts": parts, "files": files,
+        "pubkey": (d / "id_ed25519.pub").read_text().strip(), "config": config_file,
+        "log": res.stderr,
+    }
+
+
+def _partitions(img: Path) -> list[dict]:
+    table = json.loads(_run(["sfdisk", "--json", img]).stdout)["partitiontable"]
+    return table["partitions"]
+
+
+def _debugfs(part: Path, request: str) -> str:
+    return _run(["debugfs", "-R", request, part]).stdout
+
+
+def _cat(part: Path, path: str) -> str:
+    return _debugfs(part, f"cat {path}")
+
+
+def _stat(part: Path, path: str) -> dict:
+    out = _debugfs(part, f"stat {path}")
+    m = re.search(r"Mode:\s+0?(\d+)", out)
+    u = re.search(r"User:\s+(\d+)\s+Group:\s+(\d+)", out)
+    t = re.search(r"Type:\s+(\w+)", out)
+    assert m and u and t, f"{path} not found in {part.name}: {out!r}"
+    return {"mode": int(m.group(1), 8), "uid": int(u.group(1)), "gid": int(u.group(2)), "type": t.group(1)}
+
+
+def _mtools(img: Path, parts, *args) -> str:
+    off = parts[0]["start"] * 512
+    env = dict(os.environ, MTOOLS_SKIP_CHECK="1")
+    return _run([args[0], "-i", f"{img}@@{off}", *args[1:]], env=env).stdout
+
+
+def _passwd(built) -> dict[str, list[str]]:
+    text = _cat(built["files"]["root"], "/etc/passwd")
+    return {line.split(":")[0]: line.split(":") for line in text.splitlines() if line}
+
+
+# ----------------------------------------------------------------- script
+
+
+def test_help_and_bash_syntax():
+    _run(["bash", "-n", SCRIPT])
+    _run(["bash", "-n", REPO / "systemd" / "appliance-firstboot"])
+    res = _run([SCRIPT, "--help"])
+    for opt in ("--target", "--wheelhouse", "--models-dir", "--no-models", "--ssh-key", "--password", "--hat"):
+        assert opt in res.stdout
+
+
+def test_unknown_hat_is_rejected():
+    res = _run([SCRIPT, "--hat", "no-such-hat"], check=False)
+    assert res.returncode != 0 and "unknown --hat" in res.stderr
+
+
+def test_refuses_models_without_pinned_hash(small_root_tar, config_file, tmp_path):
+    """No model source/hash given: must fail with the reason, not build silently."""
+    res = _run(
+        [SCRIPT, "--target", "qemu", "--rootfs-tar", small_root_tar, "--arch", _host_arch(),
+         "--skip-python", "--config", config_file, "--out", tmp_path / "o", "--cache", tmp_path / "c"],
+        check=False, timeout=120,
+        env=dict(os.environ, APPLIANCE_MODEL_SHA256="", APPLIANCE_MMPROJ_SHA256=""),
+    )
+    assert res.returncode != 0
+    assert "no pinned SHA-256" in res.stderr and "--no-models" in res.stderr
+    assert not list((tmp_path / "o").glob("*.img"))
+
+
+def test_models_dir_hash_must_match(small_root_tar, config_file, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "gemma-4-E2B-it-Q4_K_M.gguf").write_bytes(b"not really a model")
+    (models / "mmproj-gemma-4-E2B-it-f16.gguf").write_bytes(b"nor a projector")
+    want = hashlib.sha256(b"not really a model").hexdigest()
+    base = [SCRIPT, "--target", "qemu", "--rootfs-tar", small_root_tar, "--arch", _host_arch(),
+            "--skip-python", "--config", config_file, "--out", tmp_path / "o", "--cache", tmp_path / "c",
+            "--models-dir", models]
+    # Unconfirmed: the error shows the computed hash so the builder can confirm it.
+    res = _run(base, check=False, timeout=120,
+               env=dict(os.environ, APPLIANCE_MODEL_SHA256="", APPLIANCE_MMPROJ_SHA256=""))
+    assert res.returncode != 0 and want in res.stderr
+    # Wrong hash: refused.
+    res = _run(base + ["--model-sha256", "0" * 64], check=False, timeout=120)
+    assert res.returncode != 0 and "expected " + "0" * 64 in res.stderr
+
+
+# -------------------------------------------------------------- structure
+
+
+def test_partition_table(built):
+    table = json.loads(_run(["sfdisk", "--json", built["img"]]).stdout)["partitiontable"]
+    assert table["label"] == "dos"
+    assert table["id"].lower() == "0x" + DISK_SIG
+    parts = table["partitions"]
+    assert [p["type"] for p in parts] == ["c", "83", "83"]
+    assert parts[0].get("bootable") is True
+    for p in parts:
+        assert (p["start"] * 512) % (8 * MiB) == 0, f"partition not 8 MiB aligned: {p}"
+    assert parts[0]["size"] * 512 == 512 * MiB
+    dump = _run(["sfdisk", "--dump", built["img"]]).stdout
+    assert "label: dos" in dump
+
+
+def test_boot_partition(built):
+    img, parts = built["img"], built["parts"]
+    listing = _mtools(img, parts, "mdir", "-b", "::")
+    names = {Path(line).name for line in listing.split()}
+    for f in ("config.txt", "cmdline.txt", "APPLIANCE-README.txt", "appliance-wifi.txt.example"):
+        assert f in names, listing
+    # no secrets/defaults shipped on the boot partition
+    assert "userconf.txt" not in names and "appliance-wifi.txt" not in names
+    cmdline = _mtools(img, parts, "mtype", "::cmdline.txt")
+    assert cmdline.count("\n") == 1, "cmdline.txt must be a single line"
+    assert f"root=PARTUUID={DISK_SIG}-02" in cmdline and "rootwait" in cmdline
+    config = _mtools(img, parts, "mtype", "::config.txt")
+    active = [line.strip() for line in config.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert "dtparam=audio=on" in active and "auto_initramfs=1" in active
+    # the selected HAT's lines are active, the others stay commented
+    assert "dtoverlay=wm8960-soundcard" in active and "dtparam=i2s=on" in active
+    assert "dtoverlay=googlevoicehat-soundcard" not in active
+    assert "#hat=googlevoicehat: dtoverlay=googlevoicehat-soundcard" in config
+    fsck = _run(["fsck.vfat" if shutil.which("fsck.vfat") else "true", "-n", built["files"]["boot"]], check=False)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    with open(built["files"]["boot"], "rb") as f:
+        bootsector = f.read(512)
+    assert bootsector[82:90] == b"FAT32   ", "boot partition is not FAT32"
+
+
+def test_ext4_filesystems_clean(built):
+    for name in ("root", "data"):
+        res = _run(["e2fsck", "-fn", built["files"][name]], check=False)
+        assert res.returncode == 0, f"{name}: {res.stdout}{res.stderr}"
+    assert "rootfs" in _run(["e2label", built["files"]["root"]]).stdout
+    assert "data" in _run(["e2label", built["files"]["data"]]).stdout
+
+
+def test_units_installed_and_enabled(built):
+    root = built["files"]["root"]
+    for unit in ("appliance.service", "appliance-firstboot.service"):
+        st = _stat(root, f"/etc/systemd/system/{unit}")
+        assert (st["mode"] & 0o7777, st["uid"], st["gid"]) == (0o644, 0, 0)
+        assert _cat(root, f"/etc/systemd/system/{unit}") == (REPO / "systemd" / unit).read_text()
+        link = _stat(root, f"/etc/systemd/system/multi-user.target.wants/{unit}")
+        assert link["type"] == "symlink"
+    st = _stat(root, "/usr/lib/appliance/firstboot")
+    assert (st["mode"] & 0o7777, st["uid"]) == (0o755, 0)
+    assert _stat(root, "/opt/appliance/venv/bin/appliance")["mode"] & 0o111
+
+
+def test_users_and_no_default_password(built):
+    root = built["files"]["root"]
+    users = _passwd(built)
+    assert "appliance" in users and ADMIN in users
+    app = users["appliance"]
+    assert app[6].endswith("nologin") and int(app[2]) < 1000
+    groups = {line.split(":")[0]: line.split(":")[3].split(",") for line in _cat(root, "/etc/group").splitlines() if line}
+    for g in ("audio", "gpio"):
+        assert "appliance" in groups[g], f"appliance not in {g}"
+    shadow = _cat(root, "/etc/shadow")
+    for line in shadow.splitlines():
+        user, pw = line.split(":")[:2]
+        # Every account is locked ('!', '*' or empty-with-!): no default password.
+        assert pw.startswith(("!", "*")), f"account {user} has a usable password in the image"
+        assert pw != "", f"account {user} has an empty password"
+    keys = _cat(root, f"/home/{ADMIN}/.ssh/authorized_keys")
+    assert built["pubkey"] in keys
+    st = _stat(root, f"/home/{ADMIN}/.ssh/authorized_keys")
+    assert st["mode"] & 0o777 == 0o600 and st["uid"] == int(users[ADMIN][2])
+    sshd = _cat(root, "/etc/ssh/sshd_config.d/10-appliance.conf")
+    assert "PasswordAuthentication no" in sshd and "PermitRootLogin no" in sshd
+
+
+def test_identity_left_for_first_boot(built):
+    root = built["files"]["root"]
+    assert _cat(root, "/etc/machine-id").strip() == "uninitialized"
+    ls = _debugfs(root, "ls -l /etc/ssh")
+    assert "ssh_host_" not in ls, "SSH host keys must be generated per card at first boot"
+    assert _cat(root, "/etc/hostname").strip() == HOSTNAME
+
+
+def test_fstab_and_data_partition(built):
+    root, data = built["files"]["root"], built["files"]["data"]
+    fstab = _cat(root, "/etc/fstab")
+    entries = {f[1]: f for f in (line.split() for line in fstab.splitlines()) if f and not f[0].startswith("#")}
+    assert entries["/boot/firmware"][0] == f"PARTUUID={DISK_SIG}-01"
+    assert entries["/"][0] == f"PARTUUID={DISK_SIG}-02"
+    assert entries["/var/lib/appliance"][0] == f"PARTUUID={DISK_SIG}-03"
+    assert "data=journal" in entries["/var/lib/appliance"][3]
+    assert entries["/etc/appliance"][0] == "/var/lib/appliance/etc" and "bind" in entries["/etc/appliance"][3]
+    # config.yaml in place (the data partition's etc/ is /etc/appliance)
+    assert _cat(data, "/etc/config.yaml") == built["config"].read_text()
+    st = _stat(data, "/etc/config.yaml")
+    assert (st["mode"] & 0o777, st["uid"]) == (0o644, 0)
+    app_uid = int(_passwd(built)["appliance"][2])
+    st = _stat(data, "/state")
+    assert (st["type"], st["mode"] & 0o777, st["uid"]) == ("directory", 0o750, app_uid)
+    assert _stat(data, "/models")["type"] == "directory"
+    assert "--no-models" in _cat(data, "/models/NO_MODELS.txt")
+    assert _cat(root, "/usr/share/appliance/config.yaml.default") == built["config"].read_text()
+    info = _cat(root, "/etc/appliance-image/build-info")
+    assert "models=none" in info and "target=qemu" in info
+
+
+def test_genimage_config_written(built):
+    cfg = (built["out"] / "appliance-0.0.0-ci-qemu.genimage.cfg").read_text()
+    assert 'partition-table-type = "mbr"' in cfg and "align = 8M" in cfg
+    assert "use-mke2fs = true" in cfg and '"-F 32"' in cfg
+    assert f"disk-signature = 0x{DISK_SIG}" in cfg
+    if shutil.which("bmaptool"):
+        assert (built["out"] / "appliance-0.0.0-ci-qemu.img.bmap").exists()
+
+
+def test_systemd_analyze_verify(built):
+    rootdir = built["work"] / "rootfs"
+    units = ["/etc/systemd/system/appliance.service", "/etc/systemd/system/appliance-firstboot.service"]
+    res = _run(["systemd-analyze", "verify", f"--root={rootdir}", *units], check=False)
+    ours = [line for line in (res.stdout + res.stderr).splitlines() if "appliance" in line]
+    assert not ours, "\n".join(ours)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_systemd_analyze_security_score():
+    res = _run(["systemd-analyze", "security", "--offline=true", "--no-pager",
+                REPO / "systemd" / "appliance.service"], check=False)
+    m = re.search(r"Overall exposure level for appliance\.service:\s+([\d.]+)", res.stdout + res.stderr)
+    assert m, res.stdout + res.stderr
+    score = float(m.group(1))
+    print(f"\nsystemd-analyze security appliance.service: exposure {score}")
+    assert score <= 2.0

@@ -1,0 +1,74 @@
+"""`appliance replay` end to end on the bundled demo: real speech in, real speech out, in real time."""
+
+import json
+
+import numpy as np
+import pytest
+
+from appliance.audio.files import load_audio
+from appliance.replay import replay
+from appliance.vad import SileroVad, VadSegmenter
+
+from conftest import DEMO
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory, parts, embedded_cfg):
+    parts.engine.forget()
+    out = tmp_path_factory.mktemp("demo")
+    report = replay(DEMO / "barge-in.yaml", out, parts, embedded_cfg)
+    records = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    return out, report, records
+
+
+def test_writes_the_three_files(demo_run):
+    out, report, records = demo_run
+    assert (out / "reply.wav").is_file() and (out / "timeline.jsonl").is_file() and (out / "report.json").is_file()
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report, default=str))
+    for r in records:
+        assert isinstance(r["t"], float) and isinstance(r["event"], str)
+
+
+def test_timeline_has_the_barge_in_sequence(demo_run):
+    _, report, records = demo_run
+    events = {r["event"] for r in records}
+    for needed in ("vad_start", "vad_end", "state", "llm_first_token", "tts_first_audio", "interrupted", "flushed", "turn_end"):
+        assert needed in events, needed
+    states = report["states"]
+    # listening → thinking → speaking → interrupted → listening, then the barge-in is answered.
+    i = states.index("interrupted")
+    assert states[: i + 2] == ["listening", "thinking", "speaking", "interrupted", "listening"]
+    assert states[-1] == "listening"
+    assert not report["timed_out"]
+    start = records[0]
+    assert start["event"] == "replay_start" and start["heard_as"].startswith("transcript")
+
+
+def test_reply_is_audible_speech_on_the_input_timeline(demo_run):
+    out, report, records = demo_run
+    reply = load_audio(out / "reply.wav")
+    assert abs(len(reply) / 16000 - report["duration_s"]) < 0.05
+    seg = VadSegmenter(SileroVad())
+    kinds = [e.kind for e in seg.push(reply)]
+    assert "start" in kinds  # Silero hears speech in what the appliance said
+    first_audio = [r["t"] for r in records if r["event"] == "tts_first_audio"][0]
+    assert np.abs(reply[: int((first_audio - 0.05) * 16000)]).max() < 1e-3  # silent before it spoke
+
+
+def test_report_has_per_turn_latencies(demo_run):
+    _, report, _ = demo_run
+    assert len(report["turns"]) == 2
+    first, second = report["turns"]
+    assert first["interrupted"] and not second["interrupted"]
+    for t in report["turns"]:
+        assert 0 < t["eot_to_first_token_ms"] <= t["eot_to_first_audio_ms"] < 10000
+    (b,) = report["barge_ins"]
+    assert 0 < b["detected_ms"] < 200 and 0 < b["output_silent_ms"] < 250
+
+
+def test_interrupted_reply_is_remembered_as_spoken(demo_run, parts):
+    _, _, records = demo_run
+    flushed = [r for r in records if r["event"] == "flushed"][0]
+    hist = parts.engine.history
+    assert hist[1].role == "model" and hist[1].text == flushed["spoken"].strip()
+    assert hist[2].text == "Wait, stop."

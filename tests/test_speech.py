@@ -1,0 +1,81 @@
+"""Sentence streaming into Piper (the real bundled voice)."""
+
+import threading
+import time
+
+import numpy as np
+
+from appliance.playback import Playback
+from appliance.pipeline import TtsWorker
+from appliance.speech import SentenceSplitter, Tts, speakable
+
+
+def split_all(pieces, **kw):
+    s = SentenceSplitter(**kw)
+    out = []
+    for p in pieces:
+        out += s.feed(p)
+    return out + s.flush()
+
+
+def test_splits_sentences_as_tokens_arrive():
+    s = SentenceSplitter()
+    assert s.feed("A rainbow is light") == []
+    assert s.feed(" bent by rain.") == []  # needs the next character to know the sentence ended
+    assert s.feed(" It") == ["A rainbow is light bent by rain."]
+    assert s.flush() == ["It"]
+
+
+def test_keeps_decimals_and_abbreviations_whole():
+    assert split_all(["It costs 3.5 dollars, Dr. Smith said. Yes."]) == ["It costs 3.5 dollars, Dr. Smith said.", "Yes."]
+
+
+def test_long_clause_cuts_at_comma_short_does_not():
+    assert split_all(["Well, yes. "]) == ["Well, yes."]
+    long = "When sunlight passes through raindrops, the light bends and splits into colours"
+    assert split_all([long]) == ["When sunlight passes through raindrops,", "the light bends and splits into colours"]
+
+
+def test_markdown_and_emoji_are_not_spoken():
+    assert speakable("**Bold** and `code` 🌈 [link](http://x)") == "Bold and code"
+
+
+def test_piper_synthesises_speech():
+    tts = Tts()
+    chunks = list(tts.synthesize("Hello there. How are you?"))
+    assert tts.sample_rate == 22050
+    assert len(chunks) == 2  # one chunk per sentence
+    audio = np.concatenate(chunks)
+    assert 1.0 < len(audio) / tts.sample_rate < 4.0
+    assert np.abs(audio).max() > 0.1
+
+
+def test_first_audio_before_the_llm_finishes():
+    """A paced token source stands in for the LLM at the Pi's speed (Gemma 4 E2B: ~6.5 tokens/s): the
+    first clause must be synthesised and queued for playback long before the last token arrives."""
+    tts = Tts()
+    playback = Playback(16000)
+    events = []
+    lock = threading.Lock()
+
+    def post(name, **info):
+        with lock:
+            events.append((time.monotonic(), name))
+
+    worker = TtsWorker(tts, playback, post, current_reply=lambda: 1)
+    playback.begin_reply(1)
+    splitter = SentenceSplitter()
+    tokens = "A rainbow is sunlight split by raindrops. It shows red, orange, yellow, green, blue and violet light in an arc across the sky.".split(" ")
+    for tok in tokens:
+        for clause in splitter.feed(tok + " "):
+            worker.on_clause(1, clause)
+        time.sleep(1 / 6.5)
+    t_llm_done = time.monotonic()
+    for clause in splitter.flush():
+        worker.on_clause(1, clause)
+    worker.on_clause(1, None)
+    worker.stop()
+    first_audio = [t for t, name in events if name == "tts_first_audio"]
+    assert first_audio, events
+    assert first_audio[0] < t_llm_done - 1.0  # at least a second of the reply's generation still to come
+    assert playback.pending_samples > 16000 * 3  # the whole reply was queued
