@@ -49,6 +49,11 @@ class ChatFormat:
     def close_reply(self) -> str:
         return f"{self.turn_end}\n"
 
+    def closed(self, role: str, content: str) -> str:
+        """A whole past turn, as it is rebuilt into the cache."""
+        name = "user" if role == "user" else self.model_role
+        return f"{self.turn_start}{name}\n{content}{self.turn_end}\n"
+
 
 # Gemma 2/3: <start_of_turn>user ... <end_of_turn>; no system role (Gemma 3 model card, "Prompt formatting").
 GEMMA3 = ChatFormat("<start_of_turn>", "<end_of_turn>")
@@ -59,9 +64,13 @@ FORMATS = {"gemma3": GEMMA3, "gemma2": GEMMA3, "gemma": GEMMA3, "gemma4": GEMMA4
 
 @dataclass
 class Message:
+    """One side of an exchange as remembered. ``audio`` (float32 16 kHz) is the user's speech when the
+    model heard it; ``text`` is then a placeholder unless a transcript is known."""
+
     role: str  # "user" or "model"
     text: str
-    audio_ref: Optional[str] = None
+    audio: Optional[np.ndarray] = None
+    store_id: Optional[int] = None
 
 
 @dataclass
@@ -77,21 +86,71 @@ class TurnResult:
     first_token_ms: Optional[float] = None
 
 
+_PARAMS_LOCK = threading.Lock()
+ACTIVE, SHADOW = 0, 1  # KV sequences: the live conversation, and the cache being rebuilt behind it
+USER_AUDIO_PLACEHOLDER = "(spoken)"
+
+
+def _load_llama(path: Path, **kw):
+    """``llama_cpp.Llama`` with two KV sequences in one unified cache (llama-cpp-python 0.3.36 has no
+    constructor argument for ``n_seq_max``/``kv_unified``, so its default context parameters are
+    adjusted for the duration of the call)."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as lc
+
+    with _PARAMS_LOCK:
+        original = lc.llama_context_default_params
+
+        def two_sequences():
+            params = original()
+            params.n_seq_max = 2
+            params.kv_unified = True
+            return params
+
+        lc.llama_context_default_params = two_sequences
+        try:
+            return llama_cpp.Llama(model_path=str(path), **kw)
+        finally:
+            lc.llama_context_default_params = original
+
+
+class _Rebuild:
+    """A cache being rebuilt in the SHADOW sequence: a queue of messages still to evaluate into it."""
+
+    def __init__(self, messages: list[Message], reason: str):
+        self.pending: list[Message] = list(messages)
+        self.kept: list[Message] = []  # evaluated into the shadow, in order
+        self.n = 0  # positions filled in the shadow
+        self.ids: list[int] = []
+        self.reason = reason
+        self.started = time.perf_counter()
+        self.tokens = 0
+
+
 class Engine:
     """One llama.cpp model and context holding the conversation.
+
+    KV sequences: ``ACTIVE`` (0) holds ``[system][turn 1]..[turn n]`` and serves every turn;
+    ``SHADOW`` (1) is where a pruned or restored history is rebuilt in small batches while the
+    appliance is idle. When the shadow has caught up, it replaces the active sequence in one cheap
+    copy, so no turn ever waits for a re-prefill of the history.
 
     :param gguf: path of the model GGUF.
     :param mmproj: path of the audio projector GGUF, or None for a text-only model (it cannot hear).
     :param kv_cache_type: ``"f16"``, ``"q8_0"`` or ``"q4_0"``; a quantised V cache needs flash attention,
         which is switched on.
+    :param history_budget_tokens: when the active sequence passes this many tokens, the oldest exchanges
+        are dropped (down to half of it) in a background rebuild. ``n_ctx`` must hold the budget, the
+        half-size shadow and one turn.
+    :param store: where the history persists (:class:`appliance.history.HistoryStore`), or None.
     :raises UserError: a missing or unloadable model file (one line naming the file).
     """
 
     def __init__(self, gguf: str | Path, mmproj: Optional[str | Path] = None, *, n_ctx: int = 4096,
                  n_threads: int = 4, n_batch: int = 512, kv_cache_type: str = "q4_0",
                  system_prompt: str = "", max_reply_tokens: int = 160, temperature: float = 0.7,
-                 top_p: float = 0.95, seed: int = 0, history_budget_tokens: int = 3072,
-                 examples: Optional[list[tuple[str, str]]] = None):
+                 top_p: float = 0.95, seed: int = 0, history_budget_tokens: int = 2048,
+                 examples: Optional[list[tuple[str, str]]] = None, store=None):
         import llama_cpp
 
         path = Path(gguf)
@@ -99,10 +158,9 @@ class Engine:
             raise UserError(f"{path}: model file not found; set model.gguf in config.yaml, or run with --embedded")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
         try:
-            self.llm = llama_cpp.Llama(
-                model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                n_batch=n_batch, type_k=kv_types[kv_cache_type], type_v=kv_types[kv_cache_type],
-                flash_attn=True, swa_full=True, seed=seed, verbose=False)
+            self.llm = _load_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                   n_batch=n_batch, type_k=kv_types[kv_cache_type], type_v=kv_types[kv_cache_type],
+                                   flash_attn=True, swa_full=True, seed=seed, verbose=False)
         except (ValueError, RuntimeError) as exc:
             raise UserError(f"{path}: llama.cpp could not load this GGUF ({exc}); check model.gguf in config.yaml") from None
         self.model_path = path
@@ -114,30 +172,42 @@ class Engine:
         self.max_reply_tokens = max_reply_tokens
         self.temperature = temperature
         self.top_p = top_p
-        self.history_budget_tokens = min(history_budget_tokens, n_ctx - max_reply_tokens - 64)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.history_budget_tokens = history_budget_tokens
         self.audio = None
         if mmproj:
-            from .mtmd_audio import MtmdAudio
+            from .mtmd_audio import AudioModelError, MtmdAudio
 
             mpath = Path(mmproj)
             if not mpath.is_file():
                 raise UserError(f"{mpath}: audio projector (mmproj) not found; set model.mmproj in config.yaml")
-            self.audio = MtmdAudio(self.llm, str(mpath), n_threads=n_threads)
+            try:
+                self.audio = MtmdAudio(self.llm, str(mpath), n_threads=n_threads)
+            except AudioModelError as exc:
+                raise UserError(f"{mpath}: {exc}; set model.mmproj to the projector that belongs to model.gguf") from None
         self._stop_tokens = {self.llm.token_eos()}
         end = self.llm.tokenize(self.fmt.turn_end.encode(), add_bos=False, special=True)
         if len(end) == 1:
             self._stop_tokens.add(end[0])
-        self.history: list[Message] = []
-        self._lock = threading.Lock()
+        self._mem = llama_cpp.llama_get_memory(self.llm._ctx.ctx)
+        self._lock = threading.RLock()
         self._cancel = threading.Event()
+        self.history: list[Message] = []  # the conversation as remembered (what the next rebuild holds)
         self._reply_start: Optional[int] = None
-        self._reply_tokens: list[int] = []
         self._pending_user: Optional[Message] = None
-        self._lengths: list[int] = []  # tokens each history message occupies in the cache
+        self._rebuild: Optional[_Rebuild] = None
+        self.rebuilds: list[dict] = []  # finished rebuilds: reason, tokens, ms (for metrics and tests)
         self.total_prefill_tokens = 0
-        self._prefill_system()
+        self.last = TurnResult()
+        self.store = store
+        self._system_ids = self.llm.tokenize(self._system_text().encode(), add_bos=True, special=True)
+        self._decode(ACTIVE, self._system_ids, 0)
+        if store is not None:
+            stored = [Message(m.role, m.text, self._load_audio(m.audio_path), m.id) for m in store.messages()]
+            self.history = self._fit(stored, self.history_budget_tokens)
+            if self.history:
+                self._rebuild = _Rebuild(self.history, reason="restore")
 
     # --- properties ---
     @property
@@ -146,29 +216,34 @@ class Engine:
 
     @property
     def n_past(self) -> int:
+        """Positions in the active sequence."""
         return self.llm.n_tokens
 
+    @property
+    def busy_rebuilding(self) -> bool:
+        return self._rebuild is not None
+
     def kv_bytes_per_token(self) -> float:
-        """Bytes of KV cache per token at the configured cache type (from llama.cpp's memory size)."""
+        """Bytes of KV cache state per filled position, from ``llama_state_seq_get_size`` of the active
+        sequence (K and V of every layer at the configured cache type)."""
         import llama_cpp
 
-        size = llama_cpp.llama_state_get_size(self.llm._ctx.ctx)
-        return float(size) / max(1, self.n_ctx)
+        size = llama_cpp.llama_state_seq_get_size(self.llm._ctx.ctx, ACTIVE)
+        return float(size) / max(1, self.n_past)
 
     # --- public API ---
     def cancel(self) -> None:
         """Stop the running generation at the next token (thread-safe)."""
         self._cancel.set()
 
-    def start_turn(self, audio: Optional[np.ndarray] = None, transcript: Optional[str] = None,
-                   audio_ref: Optional[str] = None) -> Iterator[str]:
-        """Append the user's turn and stream the reply as text pieces.
+    def start_turn(self, audio: Optional[np.ndarray] = None, transcript: Optional[str] = None) -> Iterator[str]:
+        """Append the user's turn to the active sequence and stream the reply as text pieces.
 
         :param audio: float32 mono PCM at 16 kHz, at most 30 s; used when the model hears.
         :param transcript: what was said; used when the model cannot hear (text-only model).
         :yields: decoded text pieces, one per generated token (possibly empty for partial UTF-8).
         :raises ValueError: neither usable audio nor a transcript.
-        The iterator's ``result`` attribute is not used; read :attr:`last` after it is exhausted.
+        After the iterator is exhausted, :attr:`last` holds the turn's figures.
         """
         self._cancel.clear()
         self.last = TurnResult()
@@ -177,64 +252,60 @@ class Engine:
             use_audio = self.hears_audio and audio is not None and len(audio) > 0
             if not use_audio and not transcript:
                 raise ValueError("this model cannot hear audio and no transcript was given")
-            text = transcript or ""
+            clip = np.asarray(audio, dtype=np.float32)[: 30 * 16000] if use_audio else None
+            incoming = self._audio_tokens(clip) if use_audio else len(transcript) // 2 + 16
+            if self.n_past + incoming + self.max_reply_tokens + 16 > self.n_ctx:
+                self._emergency_room(incoming)
             before = self.n_past
             if use_audio:
-                self._ensure_room(int(25 * len(audio) / 16000) + 32)  # Gemma 4: 25 audio tokens per second
-                before = self.n_past
-                prompt = self.fmt.user_turn(AUDIO_MARKER)
-                clip = np.asarray(audio, dtype=np.float32)[: 30 * 16000]
-                new_n_past, _ = self.audio.eval_prompt(prompt, clip, self.n_past, n_batch=self.n_batch)
-                self.llm.n_tokens = new_n_past
+                self._eval_user_audio(ACTIVE, clip, before)
                 self.last.input = "audio"
-                text = transcript or "(spoken audio)"
+                self._pending_user = Message("user", transcript or USER_AUDIO_PLACEHOLDER, clip)
             else:
-                self._ensure_room(len(text) // 2 + 32)
-                before = self.n_past
-                prompt = self.fmt.user_turn(text)
-                toks = self.llm.tokenize(prompt.encode(), add_bos=self.n_past == 0, special=True)
-                self.llm.eval(toks)
-            self._pending_user = Message("user", text, audio_ref)
-            self._user_len = self.n_past - before
+                self._decode(ACTIVE, self._tokens(self.fmt.user_turn(transcript)), before)
+                self._pending_user = Message("user", transcript)
             self.last.prefill_tokens = self.n_past - before
             self.total_prefill_tokens += self.last.prefill_tokens
             self.last.prefill_ms = (time.perf_counter() - t0) * 1000.0
             self._reply_start = self.n_past
-            self._reply_tokens = []
         return self._generate(t0)
 
     def _generate(self, t0: float) -> Iterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
-        pieces = []
-        for _ in range(self.max_reply_tokens):
-            if self._cancel.is_set():
-                self.last.cancelled = True
-                break
-            with self._lock:
-                if self.n_past >= self.n_ctx - 8:
+        pieces: list[str] = []
+        try:
+            for _ in range(self.max_reply_tokens):
+                if self._cancel.is_set():
+                    self.last.cancelled = True
                     break
-                tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40)
-                if tok in self._stop_tokens:
-                    break
-                raw = self.llm.detokenize([tok], special=False)
-                if b"\n" in raw and "".join(pieces).strip():
-                    break  # a spoken reply is one paragraph: a line break after some text ends it
-                self.llm.eval([tok])
-                self._reply_tokens.append(tok)
-            if self.last.first_token_ms is None:
-                self.last.first_token_ms = (time.perf_counter() - t0) * 1000.0
-            piece = decoder.decode(raw)
-            pieces.append(piece)
-            self.last.generated_tokens += 1
-            yield piece
-        pieces.append(decoder.decode(b"", final=True))
-        self.last.text = "".join(pieces)
+                with self._lock:
+                    if self.n_past >= self.n_ctx - 8:
+                        break
+                    tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40)
+                    if tok in self._stop_tokens:
+                        break
+                    raw = self.llm.detokenize([tok], special=False)
+                    if b"\n" in raw and "".join(pieces).strip():
+                        break  # a spoken reply is one paragraph: a line break after some text ends it
+                    self._decode(ACTIVE, [tok], self.n_past)
+                if self.last.first_token_ms is None:
+                    self.last.first_token_ms = (time.perf_counter() - t0) * 1000.0
+                piece = decoder.decode(raw)
+                pieces.append(piece)
+                self.last.generated_tokens += 1
+                yield piece
+        finally:
+            pieces.append(decoder.decode(b"", final=True))
+            self.last.text = "".join(pieces)
 
     def commit_spoken(self, spoken_text: str, complete: bool) -> None:
         """Close the reply in the cache and the history with what the user actually heard.
 
         :param spoken_text: the text that reached the speaker.
         :param complete: True if the whole reply was played: the generated tokens stay as they are.
+            Otherwise the generated tail is removed from the cache and ``spoken_text`` is evaluated in
+            its place (the unspoken tail is at most one reply long, so the rollback stays inside the
+            sliding window's full-size cache).
         """
         with self._lock:
             if self._reply_start is None:
@@ -243,28 +314,182 @@ class Engine:
                 text = self.last.text.strip()
             else:
                 text = spoken_text.strip()
-                # Roll back the generated tail and put the spoken words in its place.
                 self.llm.n_tokens = self._reply_start
-                self.llm._ctx.kv_cache_seq_rm(-1, self._reply_start, -1)
                 if text:
-                    self.llm.eval(self.llm.tokenize(text.encode(), add_bos=False, special=False))
-            self.llm.eval(self.llm.tokenize(self.fmt.close_reply().encode(), add_bos=False, special=True))
-            if self._pending_user is not None:
-                self.history.append(self._pending_user)
-                self._lengths.append(self._user_len)
-            self.history.append(Message("model", text))
-            self._lengths.append(self.n_past - self._reply_start)
+                    self._decode(ACTIVE, self._tokens(text, special=False), self._reply_start)
+                else:
+                    self.llm._ctx.kv_cache_seq_rm(ACTIVE, self._reply_start, -1)
+            self._decode(ACTIVE, self._tokens(self.fmt.close_reply()), self.n_past)
+            new = [self._pending_user, Message("model", text)]
+            for m in new:
+                if self.store is not None:
+                    m.store_id = self.store.append(m.role, m.text, m.audio)
+                self.history.append(m)
+                if self._rebuild is not None:
+                    self._rebuild.pending.append(m)
             self._pending_user = None
             self._reply_start = None
+            if self._rebuild is None and self.n_past > self.history_budget_tokens:
+                kept = self._fit(self.history, self.history_budget_tokens // 2)
+                self._drop_before(kept)
+                self._rebuild = _Rebuild(kept, reason="prune")
 
     def forget(self) -> None:
-        """Start a fresh conversation: clear the history and the cache (keeps the system prompt)."""
+        """Start a fresh conversation: clear the history, its store and the cache (keeps the system prompt)."""
         with self._lock:
             self.history.clear()
-            self._lengths.clear()
-            self._rebuild()
+            self._rebuild = None
+            if self.store is not None:
+                self.store.clear()
+            self.llm._ctx.kv_cache_seq_rm(SHADOW, 0, -1)
+            self.llm.n_tokens = len(self._system_ids)
+            self.llm._ctx.kv_cache_seq_rm(ACTIVE, self.n_past, -1)
+            self._reply_start = None
+            self._pending_user = None
+
+    def adopt(self, history: list[Message]) -> None:
+        """Take over a conversation (e.g. from the engine of the previous model after a config change):
+        the newest exchanges that fit the budget are rebuilt into the cache in the background."""
+        with self._lock:
+            self.history = self._fit(list(history), self.history_budget_tokens)
+            self._rebuild = _Rebuild(self.history, reason="adopt") if self.history else None
+
+    def background_step(self, should_yield: Callable[[], bool]) -> bool:
+        """Advance a pending rebuild by at most ``n_batch`` tokens at a time until done or until
+        ``should_yield()`` (a turn is waiting). Returns True if nothing is left to do."""
+        while True:
+            with self._lock:
+                rb = self._rebuild
+                if rb is None:
+                    return True
+                if self._reply_start is not None:
+                    return False  # a turn is open on the active sequence: resume after its commit
+                if not rb.pending:
+                    self._swap(rb)
+                    return True
+                msg = rb.pending.pop(0)
+                if rb.n == 0:
+                    self._decode(SHADOW, self._system_ids, 0, track=rb)
+                if msg.role == "user" and msg.audio is not None and self.hears_audio:
+                    before = rb.n
+                    rb.n, _ = self.audio.eval_prompt(self.fmt.closed("user", AUDIO_MARKER), msg.audio, rb.n,
+                                                     n_batch=self.n_batch, seq_id=SHADOW, add_special=False)
+                    rb.tokens += rb.n - before
+                    rb.ids.extend([-1] * (rb.n - before))
+                else:
+                    self._decode(SHADOW, self._tokens(self._closed_turn(msg)), rb.n, track=rb)
+                rb.kept.append(msg)
+            if should_yield():
+                return False
 
     # --- internals ---
+    def _swap(self, rb: _Rebuild) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(self._mem, ACTIVE, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, SHADOW, ACTIVE, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, SHADOW, -1, -1)
+        self.llm.input_ids[: rb.n] = rb.ids
+        self.llm.n_tokens = rb.n
+        self._rebuild = None
+        ms = (time.perf_counter() - rb.started) * 1000.0
+        self.rebuilds.append({"reason": rb.reason, "messages": len(rb.kept), "tokens": rb.tokens, "n_past": rb.n, "ms": round(ms, 1)})
+        log.info("cache rebuilt (%s): %d messages, %d tokens, %.0f ms in the background", rb.reason, len(rb.kept), rb.tokens, ms)
+
+    def _decode(self, seq: int, tokens: list[int], pos: int, track: Optional[_Rebuild] = None) -> None:
+        """Evaluate ``tokens`` into sequence ``seq`` at ``pos`` (removing anything at or after ``pos``
+        in that sequence only), in batches of ``n_batch``; the active sequence keeps ``llm``'s own
+        bookkeeping (``n_tokens``, ``input_ids``) so sampling works as usual."""
+        llm = self.llm
+        llm._ctx.kv_cache_seq_rm(seq, pos, -1)
+        b = llm._batch.batch
+        for i in range(0, len(tokens), self.n_batch):
+            chunk = tokens[i : i + self.n_batch]
+            b.n_tokens = len(chunk)
+            for j, t in enumerate(chunk):
+                b.token[j] = t
+                b.pos[j] = pos + j
+                b.seq_id[j][0] = seq
+                b.n_seq_id[j] = 1
+                b.logits[j] = False
+            b.logits[len(chunk) - 1] = True
+            llm._ctx.decode(llm._batch)
+            if seq == ACTIVE:
+                llm.input_ids[pos : pos + len(chunk)] = chunk
+                llm.n_tokens = pos + len(chunk)
+            elif track is not None:
+                track.ids.extend(chunk)
+                track.n = pos + len(chunk)
+                track.tokens += len(chunk)
+            pos += len(chunk)
+
+    def _tokens(self, text: str, special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=False, special=special)
+
+    def _closed_turn(self, msg: Message) -> str:
+        return self.fmt.closed(msg.role, msg.text)
+
+    def _audio_tokens(self, clip: np.ndarray) -> int:
+        from .mtmd_audio import MtmdAudio
+
+        return MtmdAudio.expected_audio_tokens(len(clip)) + 16
+
+    def _eval_user_audio(self, seq: int, clip: np.ndarray, pos: int) -> None:
+        self.audio.eval_prompt(self.fmt.user_turn(AUDIO_MARKER), clip, pos, n_batch=self.n_batch, seq_id=seq,
+                               add_special=False)
+
+    def _cost(self, msg: Message) -> int:
+        if msg.role == "user" and msg.audio is not None and self.hears_audio:
+            return self._audio_tokens(msg.audio)
+        return len(self._tokens(self._closed_turn(msg)))
+
+    def _fit(self, messages: list[Message], budget: int) -> list[Message]:
+        """The newest whole exchanges (user + model pairs) whose tokens fit in ``budget``."""
+        kept: list[Message] = []
+        used = len(self._system_ids)
+        i = len(messages)
+        while i >= 2:
+            pair = messages[i - 2 : i]
+            cost = sum(self._cost(m) for m in pair)
+            if used + cost > budget:
+                break
+            kept[:0] = pair
+            used += cost
+            i -= 2
+        return kept
+
+    def _drop_before(self, kept: list[Message]) -> None:
+        """Forget the history older than ``kept`` (also in the store)."""
+        dropped = self.history[: len(self.history) - len(kept)]
+        self.history = list(kept)
+        ids = [m.store_id for m in dropped if m.store_id is not None]
+        if self.store is not None and ids:
+            self.store.drop_through(max(ids))
+
+    def _emergency_room(self, incoming: int) -> None:
+        """The active sequence cannot hold the next turn: finish or start a rebuild now (the user waits;
+        logged, and counted in :attr:`rebuilds`). Only reached when turns come faster than idle time
+        lets the background rebuild finish."""
+        log.warning("context full at %d tokens: rebuilding the history while the user waits", self.n_past)
+        if self._rebuild is None:
+            kept = self._fit(self.history, self.history_budget_tokens // 2)
+            self._drop_before(kept)
+            self._rebuild = _Rebuild(kept, reason="emergency")
+        else:
+            self._rebuild.reason += "+emergency"
+        self.background_step(lambda: False)
+
+    def _load_audio(self, path: Optional[str]) -> Optional[np.ndarray]:
+        if not path or not self.hears_audio:
+            return None
+        from .audio.files import load_audio
+
+        try:
+            return load_audio(path)
+        except UserError:
+            log.warning("%s: stored audio of a past turn is unreadable; that turn is remembered as text", path)
+            return None
+
     def _system_text(self) -> str:
         """The fixed prefix: the system prompt, then any example exchanges (a base model needs them to
         answer in turn). Gemma 3 has no system role: its instructions open the first user turn, as its
@@ -279,36 +504,6 @@ class Engine:
             text += (f"{f.turn_start}user\n{self.system_prompt}{f.turn_end}\n"
                      f"{f.turn_start}{f.model_role}\nOkay.{f.turn_end}\n")
         return text
-
-    def _prefill_system(self) -> None:
-        self.llm.n_tokens = 0
-        self.llm._ctx.kv_cache_clear()
-        toks = self.llm.tokenize(self._system_text().encode(), add_bos=True, special=True)
-        self.llm.eval(toks)
-        self._system_len = len(toks)
-
-    def _rebuild(self) -> None:
-        """Re-prefill the system prompt and the kept history (text of both sides)."""
-        self._prefill_system()
-        self._lengths = []
-        for msg in self.history:
-            before = self.n_past
-            if msg.role == "user":
-                s = f"{self.fmt.turn_start}user\n{msg.text}{self.fmt.turn_end}\n"
-            else:
-                s = f"{self.fmt.turn_start}{self.fmt.model_role}\n{msg.text}{self.fmt.turn_end}\n"
-            self.llm.eval(self.llm.tokenize(s.encode(), add_bos=False, special=True))
-            self._lengths.append(self.n_past - before)
-
-    def _ensure_room(self, incoming: int) -> None:
-        """Drop the oldest exchanges (keeping the system prompt) when the history would pass its budget."""
-        used = self.n_past + incoming + self.max_reply_tokens
-        if used <= self.history_budget_tokens + self._system_len:
-            return
-        while self.history and sum(self._lengths) + incoming + self.max_reply_tokens > self.history_budget_tokens:
-            self.history.pop(0)
-            self._lengths.pop(0)
-        self._rebuild()
 
 
 def text_only_refusal(model_path: Path) -> UserError:
@@ -368,8 +563,20 @@ class EngineWorker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        import queue
+
         while True:
-            kind, a, b, c = self._q.get()
+            try:
+                # Idle with a rebuild pending: advance it, yielding as soon as a job arrives.
+                item = self._q.get(timeout=0.05) if self.engine.busy_rebuilding else self._q.get()
+            except queue.Empty:
+                try:
+                    self.engine.background_step(lambda: not self._q.empty())
+                except Exception as exc:
+                    log.exception("background cache rebuild failed")
+                    self.post("engine_error", reason=f"rebuild: {exc.__class__.__name__}: {exc}")
+                continue
+            kind, a, b, c = item
             try:
                 if kind == "stop":
                     return

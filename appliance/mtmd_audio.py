@@ -127,9 +127,10 @@ class AudioModelError(ValueError):
 # mtmd / clip log routing
 # --------------------------------------------------------------------------
 # mtmd and its clip encoder print to stderr by default.  Route them into the
-# ``logging`` module (ggml ERROR -> ERROR, WARN -> WARNING, the rest -> DEBUG)
-# and remember the last error lines so load failures can name the reason.
-_GGML_LEVELS = {1: logging.DEBUG, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+# ``logging`` module (ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 continues the previous
+# line; INFO goes to DEBUG, it is per-call chatter) and remember the last error lines so load failures can
+# name the reason.
+_GGML_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
 _log_state = {"level": logging.DEBUG, "errors": []}
 
 
@@ -252,7 +253,9 @@ class MtmdAudio:
             n_batch: max tokens per decode call; clamped to the context's
                 ``n_batch`` (a larger value would abort inside mtmd).
             add_special: prepend BOS; default: only when ``n_past == 0``.
-            seq_id: sequence id in the KV cache.
+            seq_id: sequence id in the KV cache. ``llm``'s own bookkeeping
+                (``n_tokens``, ``input_ids``) tracks sequence 0 only; for any
+                other sequence the caller tracks positions itself.
 
         Returns:
             ``(new_n_past, n_tokens_evaluated)``.  ``llm.n_tokens`` is set to
@@ -276,7 +279,7 @@ class MtmdAudio:
         if seconds > MAX_AUDIO_SECONDS:
             raise ValueError(f"audio is {seconds:.1f} s long; the limit is {MAX_AUDIO_SECONDS:.0f} s")
         n_past = int(n_past)
-        if not 0 <= n_past <= llm.n_tokens:
+        if n_past < 0 or (seq_id == 0 and n_past > llm.n_tokens):
             raise ValueError(f"n_past={n_past} is outside 0..llm.n_tokens ({llm.n_tokens})")
         if add_special is None:
             add_special = n_past == 0
@@ -316,7 +319,8 @@ class MtmdAudio:
             if rc != 0:
                 # The cache may hold part of the prompt: roll it back.
                 llm._ctx.kv_cache_seq_rm(seq_id, n_past, -1)
-                llm.n_tokens = n_past
+                if seq_id == 0:
+                    llm.n_tokens = n_past
                 raise RuntimeError(f"mtmd_helper_eval_chunks failed (code {rc})")
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
@@ -325,9 +329,10 @@ class MtmdAudio:
         end = int(new_n_past.value)
         if end - n_past != len(ids):  # pragma: no cover - would mean an mtmd change
             raise RuntimeError(f"mtmd advanced {end - n_past} positions, expected {len(ids)}")
-        llm.input_ids[n_past:end] = ids
-        llm.n_tokens = end
-        llm._requires_eval = False
+        if seq_id == 0:
+            llm.input_ids[n_past:end] = ids
+            llm.n_tokens = end
+            llm._requires_eval = False
         self.last_audio_tokens = n_audio
         return end, end - n_past
 
