@@ -97,6 +97,11 @@ class Conversation:
         self._barge_audio_t: Optional[float] = None
         self.turns: list[dict] = []
         self.idle = threading.Event()
+        # The mute switch outlives an error (a lost sound card) and a restart: ``ready``/``recovered``
+        # return to ``muted`` while it is on. The service sets it from the persisted flag before start.
+        self.keep_muted = False
+        # Optional ``() -> dict`` merged into each turn's metrics (e.g. the sound devices' xruns).
+        self.turn_stats: Optional[Callable[[], dict]] = None
 
     # --- wiring ---
     def subscribe(self, observer: Observer) -> None:
@@ -160,7 +165,7 @@ class Conversation:
 
     # --- handlers ---
     def _on_ready(self, info: dict) -> None:
-        self._set(State.LISTENING, info["t"])
+        self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
 
     def _on_error(self, info: dict) -> None:
         self._emit("error", **info)
@@ -177,16 +182,31 @@ class Conversation:
     def _on_recovered(self, info: dict) -> None:
         self._emit("recovered", **info)
         if self.state == State.ERROR:
-            self._set(State.LISTENING, info["t"])
+            self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
 
     def _on_mute(self, info: dict) -> None:
         muted = info.get("muted")
         if muted is None:
-            muted = self.state != State.MUTED
+            muted = not self.keep_muted
+        self.keep_muted = bool(muted)
+        if self.state == State.ERROR:  # the error stays on show; the switch applies on recovery
+            self._emit("mute", t=info["t"], muted=self.keep_muted)
+            return
         if muted and self.state != State.MUTED:
             self._abort_reply(info["t"], reason="muted")
             self._set(State.MUTED, info["t"])
         elif not muted and self.state == State.MUTED:
+            self._set(State.LISTENING, info["t"])
+
+    def _on_new_conversation(self, info: dict) -> None:
+        """A long press of the button: stop any reply and forget the history (the engine rebuilds its
+        cache with the system prompt only, on its own thread)."""
+        self._abort_reply(info["t"], reason="new conversation")
+        forget = getattr(getattr(self.engine, "engine", None), "forget", None)
+        if forget is not None and hasattr(self.engine, "call"):
+            self.engine.call(forget)
+        self._emit("new_conversation", **info)
+        if self.state in (State.THINKING, State.SPEAKING, State.INTERRUPTED):
             self._set(State.LISTENING, info["t"])
 
     def _on_stop_reply(self, info: dict) -> None:
@@ -215,9 +235,19 @@ class Conversation:
                 self._flush(info["t"], reason="long speech")
 
     def _on_vad_reject(self, info: dict) -> None:
-        self._emit("vad_reject", **{k: v for k, v in info.items() if k != "audio"})
+        audio = info.pop("audio", None)
+        transcript = info.pop("transcript", None)
+        self._emit("vad_reject", **info)
         if self.state == State.INTERRUPTED:
-            self._resume(info["t"], reason="not speech")
+            # Too short to be confirmed as speech: a noise, a backchannel, or a short "Stop." — the
+            # classifier hears it; only a stop word flushes (and is then the next user turn).
+            decision = self.turn_taker.at_end(info.get("speech_ms", 0.0), audio, transcript) \
+                if audio is not None else BargeInDecision.RESUME
+            if decision != BargeInDecision.INTERRUPT:
+                self._resume(info["t"], reason="not speech", heard=self.turn_taker_hypothesis())
+                return
+            self._flush(info["t"], reason="short interruption")
+            self._start_turn(info, audio, transcript)
 
     def _on_vad_end(self, info: dict) -> None:
         audio = info.pop("audio", None)
@@ -226,13 +256,21 @@ class Conversation:
         if self.state == State.INTERRUPTED:
             decision = self.turn_taker.at_end(info.get("speech_ms", 0.0), audio, transcript)
             if decision == BargeInDecision.RESUME:
-                self._resume(info["t"], reason="backchannel", transcript=transcript)
+                self._resume(info["t"], reason="backchannel", transcript=transcript, heard=self.turn_taker_hypothesis())
                 return
             self._flush(info["t"], reason="interruption")
         if self.state == State.THINKING and self._turn is not None:
             # The user went on talking before we said anything: drop the unsaid reply, take the new words.
             self._abort_reply(info["t"], reason="user continued")
             self._set(State.LISTENING, info["t"])
+        self._start_turn(info, audio, transcript)
+
+    def turn_taker_hypothesis(self) -> Optional[str]:
+        """What the barge-in classifier heard last, if it says (for the timeline)."""
+        return getattr(self.turn_taker, "hypothesis", None)
+
+    def _start_turn(self, info: dict, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
+        """The user's utterance becomes the next turn (only from ``listening``)."""
         if self.state != State.LISTENING:
             return
         self._reply_id += 1
@@ -312,5 +350,10 @@ class Conversation:
         }
         if turn.transcript is not None:
             metrics["heard_transcript"] = turn.transcript
+        if self.turn_stats is not None:
+            try:
+                metrics.update(self.turn_stats())
+            except Exception:
+                log.exception("turn_stats failed")
         self.turns.append(metrics)
         self._emit("turn_end", t=t, text=text, **{k: v for k, v in metrics.items() if k != "reply_id"}, reply_id=turn.reply_id)

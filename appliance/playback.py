@@ -145,6 +145,12 @@ class Playback:
                     break
             return " ".join(parts)
 
+    def segments_played(self) -> list[tuple[int, int]]:
+        """``(samples, samples_played)`` of each segment of the current (or just flushed) reply, in order:
+        after a reply has drained, every pair is equal (no sample skipped, none played twice)."""
+        with self._lock:
+            return [(len(s.audio), s.played) for s in self._history]
+
     def full_text(self) -> str:
         with self._lock:
             return " ".join(s.text for s in self._history)

@@ -63,6 +63,22 @@ def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
     return result
 
 
+def resumes(records: list[dict]) -> list[dict]:
+    """Each ``resumed`` event with the interjection that caused it: the gap from the interjection's end
+    (last sample above −40 dBFS of the injected file) to the resume, ms, and what the classifier heard."""
+    speech = [r for r in records if r["event"] == "user_speech"]
+    result = []
+    for r in records:
+        if r["event"] != "resumed":
+            continue
+        cause = [s for s in speech if s["onset_t"] <= r["t"]]
+        if not cause:
+            continue
+        result.append({"end_t": cause[-1]["end_t"], "gap_ms": round((r["t"] - cause[-1]["end_t"]) * 1000.0, 1),
+                       "reason": r.get("reason"), "heard": r.get("heard")})
+    return result
+
+
 def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Config, *, paced: bool = True,
            echo=None, print_line: Optional[Callable[[str], None]] = None, max_seconds: float = 180.0,
            idle_tail_s: float = 1.0) -> dict:
@@ -92,6 +108,9 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
     holder["room"] = room
     session.conversation.subscribe(timeline)
     session.conversation.subscribe(room.observe)
+    from .metrics import METRICS_FILE, TurnMetrics  # one record per turn, as the service writes them
+    (out / METRICS_FILE).unlink(missing_ok=True)
+    session.conversation.subscribe(TurnMetrics(out / METRICS_FILE, stream=None))
     room.t0 = time.monotonic()
     timeline({"t": 0.0, "event": "replay_start", "input": str(input_path), "model": parts.engine.model_path.name,
               "hears_audio": hears, "heard_as": "audio" if hears else "transcript (text-only model)",
@@ -124,6 +143,9 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
         "duration_s": round(room.n / MODEL_RATE, 3),
         "turns": session.conversation.turns,
         "barge_ins": barge_ins(timeline.records, output),
+        "resumes": resumes(timeline.records),
+        "echo_ms_per_frame": round(session.listener.echo.ms_per_frame, 3)
+        if getattr(session.listener.echo, "ms_per_frame", None) else None,
         "states": states,
         "timed_out": room.n >= int(max_seconds * MODEL_RATE),
         "vad_ms_per_chunk": round(float(np.mean(session.segmenter.infer_ms)), 3) if session.segmenter.infer_ms else None,

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -85,7 +85,8 @@ class VadEvent:
     ``kind`` is one of:
     - ``"onset"``: the first window above threshold after silence (a candidate; used for an instant pause);
     - ``"start"``: speech confirmed (``min_speech_ms`` of speech since the onset);
-    - ``"reject"``: the candidate ended before it was confirmed (a click, a bump);
+    - ``"reject"``: the candidate ended before it was confirmed (a click, a bump, or a very short word such
+      as "Stop."); ``audio`` holds the candidate (float32 mono 16 kHz) so that it can still be classified;
     - ``"end"``: end of turn, ``min_silence_ms`` of silence after confirmed speech; ``audio`` holds the
       utterance, float32 mono 16 kHz, from the onset (plus a little lead-in) to the end of speech.
     ``t_sample`` is the index, in samples at 16 kHz since the stream started, of the window's first sample.
@@ -104,6 +105,11 @@ class VadSegmenter:
 
     Defaults (threshold 0.5, speech start after 250 ms, end after 500 ms of silence) follow Silero's
     reference ``get_speech_timestamps``; the end threshold is ``threshold - 0.15`` as there.
+
+    While :attr:`interjecting` is True (the appliance has paused its reply for the user's speech), an
+    utterance ends after ``interjection_silence_ms`` of silence instead of ``min_silence_ms``, so that a
+    backchannel is decided, and the reply resumed, within 400 ms of its end (200 ms of silence + at most one
+    32 ms window + the classifier).
     """
 
     vad: SileroVad
@@ -112,7 +118,13 @@ class VadSegmenter:
     min_silence_ms: int = 500
     max_utterance_s: float = 30.0
     lead_in_ms: int = 200
+    interjection_silence_ms: int = 200
     infer_ms: list = field(default_factory=list)
+    interjecting: bool = False
+    # Optional check of a window above threshold before it may start a candidate (e.g. the echo
+    # canceller's double-talk test: is the near end, not the echo, what the VAD heard?).
+    onset_gate: Optional[Callable[[], bool]] = None
+    gated: int = 0  # windows above threshold that the gate refused
 
     def __post_init__(self) -> None:
         self._buf = np.zeros(0, dtype=np.float32)
@@ -164,7 +176,9 @@ class VadSegmenter:
             self._history.append(w)
             lead = max(1, int(self.lead_in_ms / WINDOW_MS))
             del self._history[:-lead]
-            if p >= self.threshold:
+            if p >= self.threshold and self.onset_gate is not None and not self.onset_gate():
+                self.gated += 1
+            elif p >= self.threshold:
                 self._in_speech, self._confirmed = True, False
                 self._onset = self._last_voice = start
                 self._utt = list(self._history)
@@ -179,7 +193,8 @@ class VadSegmenter:
             self._confirmed = True
             events.append(VadEvent("start", start, p, speech_ms=speech_ms))
         too_long = (self._n - self._onset) / SAMPLE_RATE >= self.max_utterance_s
-        if silence_ms >= self.min_silence_ms or too_long:
+        end_silence = self.interjection_silence_ms if self.interjecting else self.min_silence_ms
+        if silence_ms >= end_silence or too_long:
             keep = len(self._utt) - int((self._n - self._last_voice) / WINDOW) + 2
             audio = np.concatenate(self._utt[: max(1, keep)])
             kind = "end" if self._confirmed else "reject"
@@ -187,8 +202,9 @@ class VadSegmenter:
             self._in_speech = self._confirmed = False
             self._utt, self._history = [], []
         elif not self._confirmed and silence_ms >= 96:
-            # A candidate that fell silent before it was confirmed: not speech (a click, a knock).
-            events.append(VadEvent("reject", start, p, speech_ms=speech_ms))
+            # A candidate that fell silent before it was confirmed: not speech (a click, a knock), or a word
+            # too short to confirm; the audio goes along for the barge-in classifier.
+            events.append(VadEvent("reject", start, p, audio=np.concatenate(self._utt), speech_ms=speech_ms))
             self._in_speech = False
             self._utt, self._history = [], []
         return events

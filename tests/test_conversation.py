@@ -121,15 +121,23 @@ def test_a_noise_while_speaking_resumes(session):
 
 def test_backchannel_resumes_but_stop_flushes(session):
     s, rec = session
+    # The barge-in classifier hears the audio (PocketSphinx), so the interjections are real speech (Piper).
+    from appliance.audio.files import resample
+
+    def speech(text):  # with the VAD's 192 ms lead-in, as the listener hands it over
+        audio = resample(np.concatenate(list(s.parts.tts.synthesize(text))), s.parts.tts.sample_rate, 16000)
+        return np.concatenate([np.zeros(3072, np.float32), audio])
+
+    uh_huh, stop = speech("Uh-huh."), speech("Stop.")
     user_turn(s, "Tell me about the sea.")
     rec.wait_state("speaking", timeout=60)
     s.conversation.post("vad_onset")
     rec.wait_state("interrupted")
-    s.conversation.post("vad_end", speech_ms=400.0, audio=np.zeros(6400, np.float32), transcript="uh-huh")
+    s.conversation.post("vad_end", speech_ms=400.0, audio=uh_huh, transcript="uh-huh")
     rec.wait_for(lambda rs: any(r["event"] == "resumed" for r in rs))
     s.conversation.post("vad_onset")
     rec.wait_for(lambda rs: rec.states().count("interrupted") == 2)
-    s.conversation.post("vad_end", speech_ms=400.0, audio=np.zeros(6400, np.float32), transcript="Stop.")
+    s.conversation.post("vad_end", speech_ms=400.0, audio=stop, transcript="Stop.")
     rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs))
     # "Stop." is as short as "uh-huh" but is an interruption; it becomes the next user turn.
     rec.wait_for(lambda rs: rec.states().count("thinking") == 2, timeout=60)

@@ -3,8 +3,9 @@
 It stands where the sound card would: every block (10 ms) it asks the playback buffer for the next
 output block, exactly as the output callback does, records it on the timeline (``reply.wav``), and builds
 the microphone block from the scripted user speech, the appliance's own output fed back at
-``echo_gain_db`` after ``echo_delay_ms`` (the far end leaking into the near end), and looped background
-noise. It hands the microphone block and the far-end reference to the capture side, as the input
+``echo_gain_db`` after ``echo_delay_ms`` (the far end leaking into the near end), through a short room
+impulse response (a recorded one, or a synthetic exponential decay with ``rt60_ms``), and looped
+background noise. It hands the microphone block and the far-end reference to the capture side, as the input
 callback does. Paced on the wall clock by default, so every latency it reports includes real compute.
 
 Scenario files (YAML)::
@@ -18,8 +19,10 @@ Scenario files (YAML)::
         say: wait.wav
         text: "Wait, stop."
     room:
-      echo_gain_db: -10
-      echo_delay_ms: 30
+      echo_gain_db: -10          # level of the echo relative to what was played (IR normalised to unit energy)
+      echo_delay_ms: 30          # speaker-to-microphone delay before the IR's first tap
+      rt60_ms: 150               # optional: a synthetic room IR decaying by 60 dB in this time
+      impulse_response: ir.wav   # optional instead: a recorded room IR (16 kHz after resampling)
       noise: fan.wav
       noise_gain_db: -30
 """
@@ -61,8 +64,33 @@ class ScriptedUtterance:
         return max(0, i)
 
 
+def synthetic_ir(rt60_ms: float, rate: int = MODEL_RATE, direct_to_reverb_db: float = 6.0,
+                 seed: int = 0) -> np.ndarray:
+    """A small room's impulse response: a unit direct path followed by exponentially decaying Gaussian
+    noise (the Schroeder/Polack statistical model of late reverberation) that falls by 60 dB in
+    ``rt60_ms``, truncated there, with the direct path ``direct_to_reverb_db`` above the tail's energy.
+
+    :returns: float32 [n] at ``rate``, normalised to unit energy (Σh² = 1), deterministic for a seed.
+    """
+    n = max(2, int(rt60_ms * rate / 1000.0))
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n) / rate
+    tail = rng.standard_normal(n - 1) * np.exp(-6.908 * t / (rt60_ms / 1000.0))  # ln(1000) = 6.908: -60 dB
+    tail *= np.sqrt(10 ** (-direct_to_reverb_db / 10.0) / max(np.sum(tail ** 2), 1e-12))
+    ir = np.concatenate([[1.0], tail])
+    return (ir / np.sqrt(np.sum(ir ** 2))).astype(np.float32)
+
+
 @dataclass
 class RoomSpec:
+    """The room's acoustics.
+
+    :param echo_gain_db: level of the appliance's echo at the microphone relative to what it played, dB
+        (the IR is normalised to unit energy, so this is the echo path's broadband gain); None = no echo.
+    :param echo_delay_ms: pure delay before the IR (speaker-to-microphone distance plus converter latency).
+    :param impulse_response: float32 IR at 16 kHz (None: a single tap, i.e. a pure delay).
+    """
+
     echo_gain_db: Optional[float] = None  # None: no echo path (headphones)
     echo_delay_ms: float = 30.0
     noise: Optional[np.ndarray] = None
@@ -132,10 +160,11 @@ class Scenario:
         r = data.get("room") or {}
         if not isinstance(r, dict):
             raise UserError(f"{path}: `room` must be a mapping (echo_gain_db, echo_delay_ms, noise, noise_gain_db)")
-        extra = set(r) - {"echo_gain_db", "echo_delay_ms", "noise", "noise_gain_db"}
+        allowed = ["echo_gain_db", "echo_delay_ms", "rt60_ms", "impulse_response", "noise", "noise_gain_db"]
+        extra = set(r) - set(allowed)
         if extra:
-            raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}; allowed: echo_gain_db, echo_delay_ms, noise, noise_gain_db")
-        for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db"):
+            raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}; allowed: {', '.join(allowed)}")
+        for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db", "rt60_ms"):
             if key in r and (not isinstance(r[key], (int, float)) or isinstance(r[key], bool)):
                 raise UserError(f"{path}: room.{key} must be a number, not {r[key]!r}")
         if "echo_gain_db" in r:
@@ -144,6 +173,18 @@ class Scenario:
         if r.get("noise"):
             room.noise = load_audio(base / str(r["noise"]))
         room.noise_gain_db = float(r.get("noise_gain_db", -30.0))
+        if "rt60_ms" in r and "impulse_response" in r:
+            raise UserError(f"{path}: room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
+        if "rt60_ms" in r:
+            if not 1.0 <= float(r["rt60_ms"]) <= 2000.0:
+                raise UserError(f"{path}: room.rt60_ms must be between 1 and 2000 ms, not {r['rt60_ms']}")
+            room.impulse_response = synthetic_ir(float(r["rt60_ms"]))
+        elif r.get("impulse_response"):
+            ir = load_audio(base / str(r["impulse_response"]))
+            energy = float(np.sum(ir.astype(np.float64) ** 2))
+            if energy <= 0:
+                raise UserError(f"{path}: room.impulse_response is silent; give a recorded room impulse response")
+            room.impulse_response = (ir / np.sqrt(energy)).astype(np.float32)
         return cls(events, room, path)
 
     def transcript_at(self, sample: int) -> Optional[str]:
@@ -189,7 +230,12 @@ class SimulatedRoom:
         spec = scenario.room
         self._echo_gain = None if spec.echo_gain_db is None else 10 ** (spec.echo_gain_db / 20.0)
         self._echo_delay = int(spec.echo_delay_ms * rate / 1000.0)
-        self._echo_line = np.zeros(self._echo_delay + BLOCK * 2, dtype=np.float32)
+        ir = spec.impulse_response if spec.impulse_response is not None else np.ones(1, dtype=np.float32)
+        # The whole echo path as one FIR: the delay, then the IR.
+        self._echo_fir = np.concatenate([np.zeros(self._echo_delay, dtype=np.float32), np.asarray(ir, np.float32)])
+        self._echo_line = np.zeros(len(self._echo_fir) - 1, dtype=np.float32)  # past output samples
+        self.near_active: list[bool] = []  # per block: scripted speech present in the microphone block
+        self.echo: list[np.ndarray] = []  # per block: the echo component alone (ground truth for ERLE)
         self._noise = spec.noise
         self._noise_gain = 10 ** (spec.noise_gain_db / 20.0)
         self._stop = threading.Event()
@@ -243,11 +289,13 @@ class SimulatedRoom:
                 if hi > lo:
                     mic[lo - n : hi - n] += audio[lo - start : hi - start]
             self._active = [(s, a) for s, a in self._active if s + len(a) > n + b]
+        self.near_active.append(bool(np.any(mic != 0.0)))
         if self._echo_gain is not None:
             line = np.concatenate([self._echo_line, out])
-            echo = line[len(line) - b - self._echo_delay : len(line) - self._echo_delay]
-            self._echo_line = line[-(self._echo_delay + b * 2):]
-            mic += self._echo_gain * echo
+            echo = self._echo_gain * np.convolve(line, self._echo_fir, mode="valid").astype(np.float32)
+            self._echo_line = line[len(line) - len(self._echo_line):] if len(self._echo_line) else line[:0]
+            self.echo.append(echo)
+            mic += echo
         if self._noise is not None and len(self._noise):
             idx = (np.arange(n, n + b) % len(self._noise))
             mic += self._noise_gain * self._noise[idx]

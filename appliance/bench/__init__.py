@@ -1,0 +1,1 @@
+"""Benchmarks (``appliance bench ...``): fixed suites run in real time, printing a table and writing JSON."""

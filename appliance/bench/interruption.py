@@ -1,0 +1,409 @@
+"""``appliance bench interruption``: the barge-in layer measured in the simulated room, in real time.
+
+Every scenario is a fresh :class:`~appliance.pipeline.Session` on the loaded parts: the user asks a
+question, the appliance answers (real LLM, real Piper, real playback buffer), and while it speaks the room
+plays one scripted sound into the microphone together with the appliance's own echo (30 ms + a synthetic
+RT60 150 ms room impulse response) at a set level relative to the user's voice. The room runs on the wall
+clock, so every latency includes real compute.
+
+Suite (fixed): long barge-ins at three points of a reply and three user levels; echo only at 0 dB and +6 dB
+above the user's voice; non-speech sounds (door slam, clap, keyboard, bell, cough-like bursts, music);
+backchannels and short interruptions in three voices (Piper ``en_US-joe-medium``, espeak-ng ``en-us+f3``
+and ``en-gb+m3``). Speech is generated at bench time into a cache directory; the bell and the music come
+from Debian's ``sound-theme-freedesktop`` when installed (else they are synthesised), the other noises are
+synthesised here.
+
+Ground truth: the room knows where each injected sound starts and ends (first/last sample above
+−40 dBFS); barge-in latency = the output's first 20 ms below −50 dBFS − the speech onset
+(:func:`appliance.replay.barge_ins`).
+
+The echo canceller is warmed up on 6 s of the appliance's voice through the same echo path before each
+scenario: on a device it runs continuously, so the first reply after boot is the only one it meets
+unconverged (that case is not in the suite).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..audio.echo import EchoCanceller, erle_db, from_config
+from ..audio.files import MODEL_RATE, first_above, load_audio, resample, write_wav
+from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
+from ..config import Config
+from ..errors import UserError
+from ..pipeline import Parts, Session, Timeline
+from ..replay import barge_ins
+
+USER_DBFS = -26.0  # the user's active speech level at the microphone (RMS over samples above -50 dBFS)
+ECHO_DELAY_MS = 30.0
+RT60_MS = 150.0
+FREEDESKTOP = Path("/usr/share/sounds/freedesktop/stereo")
+QUESTION = ("Tell me about rainbows and how they form.", "question")
+VOICES = ("joe", "en-us+f3", "en-gb+m3")
+BACKCHANNELS = ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]
+SHORT_STOPS = ["Stop.", "Wait.", "No."]
+LONG_INTERRUPTIONS = ["Wait, I want to ask you something else about the moon.",
+                      "No, actually, tell me about the ocean instead please."]
+
+
+def active_dbfs(x: np.ndarray) -> float:
+    """RMS level over samples above −50 dBFS (the active part of a recording), dBFS."""
+    a = x[np.abs(x) > 10 ** (-50 / 20)]
+    if not len(a):
+        return -120.0
+    return float(20 * np.log10(np.sqrt(np.mean(a.astype(np.float64) ** 2))))
+
+
+def at_level(x: np.ndarray, dbfs: float) -> np.ndarray:
+    return (x * 10 ** ((dbfs - active_dbfs(x)) / 20)).astype(np.float32)
+
+
+# --- bench audio, generated into a cache ---
+
+class AudioCache:
+    """Speech from Piper and espeak-ng, and the non-speech sounds, cached as 16 kHz WAVs."""
+
+    def __init__(self, root: Path, tts):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tts = tts
+
+    def _slug(self, text: str, voice: str) -> Path:
+        slug = "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")[:48]
+        return self.root / f"{voice.replace('+', '_')}__{slug}.wav"
+
+    def speech(self, text: str, voice: str) -> np.ndarray:
+        path = self._slug(text, voice)
+        if not path.is_file():
+            if voice == "joe":
+                audio = resample(np.concatenate(list(self.tts.synthesize(text))), self.tts.sample_rate, MODEL_RATE)
+            else:
+                audio = espeak(text, voice)
+            write_wav(path, audio, MODEL_RATE)
+        return at_level(load_audio(path), USER_DBFS)
+
+    def noise(self, name: str) -> np.ndarray:
+        path = self.root / f"noise__{name}.wav"
+        if not path.is_file():
+            write_wav(path, make_noise(name), MODEL_RATE)
+        return load_audio(path)
+
+
+def espeak(text: str, voice: str) -> np.ndarray:
+    """Speak with espeak-ng (Debian package ``espeak-ng``) at 160 words a minute; float32 16 kHz."""
+    import soundfile as sf
+
+    try:
+        wav = subprocess.run(["espeak-ng", "-v", voice, "-s", "160", "--stdout", text], capture_output=True,
+                             check=True, timeout=30).stdout
+    except FileNotFoundError:
+        raise UserError("espeak-ng is not installed: run `apt-get install espeak-ng` (the benchmark's second and "
+                        "third voices)") from None
+    x, sr = sf.read(io.BytesIO(wav), dtype="float32")
+    return resample(x, sr, MODEL_RATE)
+
+
+NOISES = ("door_slam", "clap", "keyboard", "bell", "cough", "music")
+
+
+def make_noise(name: str, seed: int = 7) -> np.ndarray:
+    """A non-speech sound, float32 16 kHz, peak about −6 dBFS. ``bell`` and ``music`` are the freedesktop
+    sound theme's ``bell.oga`` and ``phone-incoming-call.oga`` when installed."""
+    rng = np.random.default_rng(seed)
+    sr = MODEL_RATE
+    t = lambda s: np.arange(int(s * sr)) / sr  # noqa: E731
+    if name == "door_slam":  # a low thump and a short rattle
+        tt = t(0.5)
+        thump = np.sin(2 * np.pi * 55 * tt) * np.exp(-tt / 0.06)
+        rattle = np.convolve(rng.standard_normal(len(tt)), np.ones(8) / 8, "same") * np.exp(-tt / 0.03)
+        x = thump + 0.6 * rattle
+    elif name == "clap":  # two claps: 10 ms noise bursts decaying in 8 ms
+        x = np.zeros(int(0.6 * sr))
+        for start in (0.0, 0.35):
+            s = int(start * sr)
+            burst = rng.standard_normal(int(0.05 * sr)) * np.exp(-t(0.05) / 0.008)
+            x[s : s + len(burst)] += burst
+    elif name == "keyboard":  # a burst of typing: 5 ms clicks 60-160 ms apart
+        x = np.zeros(int(1.5 * sr))
+        pos = 0.0
+        while pos < 1.4:
+            s = int(pos * sr)
+            click = rng.standard_normal(int(0.005 * sr)) * np.exp(-t(0.005) / 0.0015)
+            x[s : s + len(click)] += click
+            pos += rng.uniform(0.06, 0.16)
+    elif name == "cough":  # two cough-like bursts: broadband noise with a sharp attack, 150-200 ms each
+        x = np.zeros(int(0.8 * sr))
+        for start, dur in ((0.0, 0.18), (0.35, 0.15)):
+            s = int(start * sr)
+            n = rng.standard_normal(int(dur * sr))
+            n = np.convolve(n, np.array([1.0, -0.7]), "same")  # a little high-frequency tilt
+            env = np.minimum(1.0, t(dur) / 0.01) * np.exp(-t(dur) / (dur / 3))
+            x[s : s + len(n)] += n * env
+    elif name in ("bell", "music"):
+        src = FREEDESKTOP / ("bell.oga" if name == "bell" else "phone-incoming-call.oga")
+        if src.is_file():
+            x = load_audio(src)[: int(3.0 * sr)].astype(np.float64)
+        elif name == "bell":
+            tt = t(1.2)
+            x = sum(np.sin(2 * np.pi * f * tt) * np.exp(-tt / d) for f, d in ((880, 0.5), (2210, 0.3), (3520, 0.2)))
+        else:
+            notes = [523.25, 659.25, 783.99, 1046.5, 783.99, 659.25]
+            x = np.concatenate([np.sin(2 * np.pi * f * t(0.25)) * np.hanning(int(0.25 * sr)) for f in notes])
+    else:
+        raise ValueError(f"unknown noise {name!r}")
+    x = np.asarray(x, dtype=np.float64)
+    return (0.5 * x / max(np.max(np.abs(x)), 1e-9)).astype(np.float32)
+
+
+# --- the suite ---
+
+@dataclass
+class Case:
+    kind: str  # barge_in | echo_only | noise | backchannel | short_stop
+    label: str
+    audio: Optional[np.ndarray]
+    text: Optional[str]
+    delay_s: float = 0.8  # after the appliance starts speaking
+    echo_rel_db: float = 0.0  # echo level relative to the user's voice (USER_DBFS)
+    user_rel_db: float = 0.0
+
+
+def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
+    cases: list[Case] = []
+    points = (0.4, 0.9, 1.4)  # seconds after the reply's first audio (the embedded model's replies run 3-6 s)
+    levels = (-6.0, 0.0, 6.0)
+    for i, p in enumerate(points):
+        for j, lv in enumerate(levels):
+            text = LONG_INTERRUPTIONS[(i + j) % len(LONG_INTERRUPTIONS)]
+            voice = VOICES[(i + j) % len(VOICES)]
+            cases.append(Case("barge_in", f"{voice} '{text[:18]}…' at +{p}s, user {lv:+.0f} dB",
+                              cache.speech(text, voice) * 10 ** (lv / 20), text, p, 0.0, lv))
+    for rel in (0.0, 6.0):
+        for k in range(1 if quick else 2):
+            cases.append(Case("echo_only", f"echo {rel:+.0f} dB #{k + 1}", None, None, 0.0, rel))
+    for name in NOISES:
+        cases.append(Case("noise", name, at_level(cache.noise(name), USER_DBFS), None, 0.8, 0.0))
+    for v in VOICES:
+        for k, w in enumerate(BACKCHANNELS):
+            cases.append(Case("backchannel", f"{v} {w}", cache.speech(w, v), w, 0.6 + 0.3 * (k % 3), 0.0))
+        for k, w in enumerate(SHORT_STOPS):
+            cases.append(Case("short_stop", f"{v} {w}", cache.speech(w, v), w, 0.6 + 0.3 * (k % 3), 0.0))
+    if quick:
+        keep = {"barge_in": 3, "echo_only": 2, "noise": 2, "backchannel": 3, "short_stop": 3}
+        out, seen = [], {}
+        for c in cases:
+            if seen.get(c.kind, 0) < keep[c.kind]:
+                out.append(c)
+                seen[c.kind] = seen.get(c.kind, 0) + 1
+        cases = out
+    return cases
+
+
+def echo_gain_db(case: Case, reply_level_dbfs: float) -> float:
+    """The room's echo path gain that puts the appliance's voice at ``USER_DBFS + echo_rel_db`` at the mic."""
+    return USER_DBFS + case.echo_rel_db - reply_level_dbfs
+
+
+def warm_up(echo, gain_db: float, voice_audio: np.ndarray) -> None:
+    """Converge the canceller on the appliance's voice through the bench's echo path (offline)."""
+    fir = np.concatenate([np.zeros(int(ECHO_DELAY_MS * MODEL_RATE / 1000)), synthetic_ir(RT60_MS)])
+    mic = (10 ** (gain_db / 20) * np.convolve(voice_audio, fir)[: len(voice_audio)]).astype(np.float32)
+    for i in range(0, len(mic) - 160, 160):
+        echo.process(mic[i : i + 160], voice_audio[i : i + 160])
+    echo.recorded.clear()
+
+
+@dataclass
+class Outcome:
+    case: Case
+    records: list
+    valid: bool
+    interrupted: int = 0
+    flushed: bool = False
+    resumed: bool = False
+    barge: Optional[dict] = None
+    resume_gap_ms: Optional[float] = None
+    erle_num: float = 0.0
+    erle_den: float = 0.0
+    vad_ms: list = field(default_factory=list)
+    note: str = ""
+    segments: list = field(default_factory=list)  # (samples, played) per segment of the reply
+    output: Optional[np.ndarray] = None
+
+
+def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, reply_level: float,
+             wait_turn_end: bool = False, question: Optional[np.ndarray] = None) -> Outcome:
+    """Run one scenario in real time. ``wait_turn_end``: run until the reply has ended (drained or
+    flushed) rather than one second after the barge-in decision."""
+    parts.engine.forget()
+    gain = echo_gain_db(case, reply_level)
+    q = QUESTION_AUDIO if question is None else question
+    events = [ScriptedUtterance(q, QUESTION[0], "question", at=0.3)]
+    if case.audio is not None:
+        events.append(ScriptedUtterance(case.audio, case.text, case.label, after="speaking", delay=case.delay_s))
+    scenario = Scenario(events, RoomSpec(echo_gain_db=gain, echo_delay_ms=ECHO_DELAY_MS,
+                                         impulse_response=synthetic_ir(RT60_MS)))
+    echo = from_config(cfg, record=True)
+    if echo is not None:
+        warm_up(echo, gain, warm_voice)
+    timeline = Timeline()
+    holder: dict = {}
+    clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
+    hears = parts.engine.hears_audio
+    session = Session(cfg, parts, out_rate=MODEL_RATE, echo=echo,
+                      transcript_at=None if hears else scenario.transcript_at, clock=clock)
+    room = SimulatedRoom(scenario, session.playback.read, session.listener.capture, on_event=timeline, paced=True)
+    holder["room"] = room
+    session.conversation.subscribe(timeline)
+    session.conversation.subscribe(room.observe)
+    room.t0 = time.monotonic()
+    session.start()
+    mark = [None]
+
+    def until() -> bool:
+        if mark[0] is None:
+            if not room.finished_script:
+                return False
+            recs = timeline.records
+            if case.kind == "echo_only" or wait_turn_end:
+                done = any(r["event"] in ("turn_end", "flushed") for r in recs)
+            else:
+                done = any(r["event"] in ("resumed", "flushed", "turn_end") for r in recs[2:]) \
+                    or session.conversation.idle.is_set()
+            if done:
+                mark[0] = room.n
+            return False
+        return room.n - mark[0] >= int(1.0 * MODEL_RATE)
+
+    try:
+        room.run(until, max_seconds=40.0)
+    finally:
+        session.stop()
+    recs = list(timeline.records)
+    output = room.output_audio()
+    out = Outcome(case, recs, valid=True, vad_ms=list(session.segmenter.infer_ms),
+                  segments=session.playback.segments_played(), output=output)
+    speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
+    states = [r for r in recs if r["event"] == "state"]
+    if case.audio is not None:
+        if not speech:
+            out.valid, out.note = False, "the interjection never played (no reply?)"
+        else:
+            onset = speech[0]["onset_t"]
+            state_at = "listening"
+            for r in states:
+                if r["t"] <= onset:
+                    state_at = r["state"]
+            if state_at not in ("speaking", "interrupted"):
+                out.valid, out.note = False, f"the reply was not playing at the onset ({state_at})"
+    after = speech[0]["onset_t"] - 0.05 if speech else 0.0
+    out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= after)
+    out.flushed = any(r["event"] == "flushed" and r["t"] >= after for r in recs)
+    resumed = [r for r in recs if r["event"] == "resumed" and r["t"] >= after]
+    out.resumed = bool(resumed) and not out.flushed
+    if speech and resumed:
+        out.resume_gap_ms = round((resumed[-1]["t"] - speech[0]["end_t"]) * 1000.0, 1)
+    if case.kind in ("barge_in", "short_stop") and speech:
+        b = [x for x in barge_ins(recs, output) if abs(x["onset_t"] - speech[0]["onset_t"]) < 1e-6]
+        out.barge = b[0] if b else None
+    # ERLE over echo-only blocks: far end playing, no scripted sound in the microphone block.
+    if echo is not None and echo.recorded and room.echo:
+        n = min(len(echo.recorded), len(room.near_active), len(room.echo))
+        for i in range(n):
+            near, far, res = echo.recorded[i]
+            if room.near_active[i] or float(np.dot(far, far)) < 1e-6:
+                continue
+            out.erle_num += float(np.dot(near, near))
+            out.erle_den += float(np.dot(res, res))
+    return out
+
+
+QUESTION_AUDIO: np.ndarray = np.zeros(0, dtype=np.float32)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return round(float(np.percentile(xs, q)), 1) if xs else None
+
+
+def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
+    by = lambda k: [o for o in outcomes if o.case.kind == k and o.valid]  # noqa: E731
+    barge = by("barge_in")
+    lat = [o.barge["output_silent_ms"] for o in barge + by("short_stop")
+           if o.barge and o.barge.get("output_silent_ms") is not None]
+    echo_only = by("echo_only")
+    bc, ss, noise = by("backchannel"), by("short_stop"), by("noise")
+    num = sum(o.erle_num for o in outcomes)
+    den = sum(o.erle_den for o in outcomes)
+    vad = [x for o in outcomes for x in o.vad_ms]
+    gaps = [o.resume_gap_ms for o in bc + noise if o.resumed and o.resume_gap_ms is not None]
+    return {
+        "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
+        "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
+        "self_interrupts_echo": {"count": sum(1 for o in echo_only if o.interrupted), "n": len(echo_only),
+                                 "echo_gain_db": max((o.case.echo_rel_db for o in echo_only), default=0.0),
+                                 "echo_levels_db": sorted({o.case.echo_rel_db for o in echo_only})},
+        "false_flush_noise": {"count": sum(1 for o in noise if o.flushed), "n": len(noise),
+                              "paused": sum(1 for o in noise if o.interrupted)},
+        "backchannel_resumed": {"count": sum(1 for o in bc if o.resumed), "n": len(bc)},
+        "short_interrupt_flushed": {"count": sum(1 for o in ss if o.flushed), "n": len(ss)},
+        "resume_gap_ms": {"p50": pct(gaps, 50), "p95": pct(gaps, 95)},
+        "erle_db": round(10 * np.log10(max(num, 1e-20) / max(den, 1e-20)), 1) if den > 0 else None,
+        "vad_ms_per_chunk": round(float(np.mean(vad)), 3) if vad else None,
+        "classifier_ms_per_interjection": {"p50": pct(classifier_ms, 50), "p95": pct(classifier_ms, 95),
+                                           "n": len(classifier_ms)},
+        "invalid_scenarios": [f"{o.case.kind}: {o.case.label}: {o.note}" for o in outcomes if not o.valid],
+    }
+
+
+def table(outcomes: list[Outcome]) -> str:
+    rows = [f"{'kind':12} {'scenario':52} {'paused':>6} {'flushed':>7} {'resumed':>7} {'silent_ms':>9} {'gap_ms':>7}"]
+    for o in outcomes:
+        silent = o.barge.get("output_silent_ms") if o.barge else None
+        rows.append(f"{o.case.kind:12} {o.case.label[:52]:52} {o.interrupted:>6} {str(o.flushed):>7} "
+                    f"{str(o.resumed):>7} {str(silent):>9} {str(o.resume_gap_ms):>7}"
+                    + ("" if o.valid else f"  INVALID: {o.note}"))
+    return "\n".join(rows)
+
+
+def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, quick: bool = False,
+        print_line: Callable[[str], None] = print) -> dict:
+    """Run the suite; print the per-scenario table and the summary; write the summary as JSON."""
+    global QUESTION_AUDIO
+    cache = AudioCache(cache_dir, parts.tts)
+    QUESTION_AUDIO = cache.speech(QUESTION[0], "joe")
+    warm_voice = cache.speech("Hello. I am the appliance, and this is how my voice sounds in this room, "
+                              "for a few seconds, so that the echo canceller can learn the echo path.", "joe")
+    warm_voice = at_level(warm_voice, -20.0)
+    reply_level = active_dbfs(warm_voice)
+    cases = build_suite(cache, quick)
+    print_line(f"{len(cases)} scenarios, in real time (about {len(cases) * 9} s)")
+    outcomes = []
+    from ..turns import shared_keyword_classifier
+
+    clf = shared_keyword_classifier() if cfg.interruption.classifier == "keywords" else None
+    start_costs = len(clf.costs_ms) if clf else 0
+    for c in cases:
+        o = run_case(c, parts, cfg, warm_voice, reply_level)
+        outcomes.append(o)
+        silent = o.barge.get("output_silent_ms") if o.barge else None
+        print_line(f"{c.kind:12} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} resumed={o.resumed} "
+                   f"silent_ms={silent} gap_ms={o.resume_gap_ms}" + ("" if o.valid else f" INVALID ({o.note})"))
+    costs = clf.costs_ms[start_costs:] if clf else []
+    summary = summarise(outcomes, costs)
+    summary["config"] = {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,
+                         "classifier": cfg.interruption.classifier, "user_dbfs": USER_DBFS,
+                         "echo_delay_ms": ECHO_DELAY_MS, "rt60_ms": RT60_MS, "quick": quick}
+    print_line(table(outcomes))
+    print_line(json.dumps(summary, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary

@@ -1,0 +1,154 @@
+"""Barge-in, end to end in the simulated room, in real time: real Silero, real Piper (the appliance's voice
+and the user's), real Speex echo canceller, real PocketSphinx classifier, the embedded Gemma 3 270M.
+
+Each scenario: the user asks a question; while the appliance answers, the room plays one sound into the
+microphone together with the appliance's own echo (30 ms + RT60 150 ms, at 0 or +6 dB relative to the
+user's voice). Latency bounds carry a margin over the benchmark's targets because this machine is shared
+(the benchmark, ``appliance bench interruption``, measures the real numbers).
+"""
+
+import numpy as np
+import pytest
+
+from appliance.audio.files import MODEL_RATE
+from appliance.bench import interruption as bench
+from appliance.turns import BargeInDecision, KeywordClassifier, TurnTaker
+from appliance.vad import SileroVad, VadSegmenter
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory, parts, embedded_cfg):
+    cache = bench.AudioCache(tmp_path_factory.mktemp("bench-audio"), parts.tts)
+    warm = bench.at_level(cache.speech("Hello. I am the appliance, and this is how my voice sounds in this room, "
+                                       "for a few seconds, so that the echo canceller can learn.", "joe"), -20.0)
+    question = cache.speech(bench.QUESTION[0], "joe")
+    return cache, warm, bench.active_dbfs(warm), question
+
+
+def run(ctx, parts, cfg, case, **kw):
+    cache, warm, level, question = ctx
+    out = bench.run_case(case, parts, cfg, warm, level, question=question, **kw)
+    assert out.valid, out.note
+    return out
+
+
+def events(out, name):
+    return [r for r in out.records if r["event"] == name]
+
+
+def test_long_barge_in_goes_silent_fast_and_flushes(ctx, parts, embedded_cfg):
+    cache = ctx[0]
+    text = bench.LONG_INTERRUPTIONS[0]
+    out = run(ctx, parts, embedded_cfg, bench.Case("barge_in", "long", cache.speech(text, "joe"), text, 0.8, 6.0))
+    assert out.interrupted >= 1 and out.flushed
+    assert out.barge is not None and 0 < out.barge["output_silent_ms"] <= 200  # target 100 (benchmark)
+    # Only what reached the speaker is kept, and the interruption is the next user turn.
+    flushed = events(out, "flushed")[0]
+    assert len(flushed["spoken"]) < len(flushed["synthesized"])
+    states = [r["state"] for r in events(out, "state")]
+    assert states[:5] == ["listening", "thinking", "speaking", "interrupted", "listening"]
+    assert "thinking" in states[5:]
+
+
+def test_own_echo_louder_than_the_user_never_interrupts(ctx, parts, embedded_cfg):
+    out = run(ctx, parts, embedded_cfg, bench.Case("echo_only", "echo +6 dB", None, None, 0.0, 6.0))
+    assert events(out, "turn_end"), "the reply should play to its end"
+    assert out.interrupted == 0 and not out.flushed
+    # ... and the canceller removed most of the echo on the way to the VAD.
+    assert out.erle_den > 0 and 10 * np.log10(out.erle_num / out.erle_den) >= 25.0
+
+
+def test_backchannel_resumes_without_replaying_or_skipping(ctx, parts, embedded_cfg):
+    cache = ctx[0]
+    out = run(ctx, parts, embedded_cfg,
+              bench.Case("backchannel", "uh-huh", cache.speech("Uh-huh.", "joe"), "Uh-huh.", 0.6, 0.0),
+              wait_turn_end=True)
+    assert out.interrupted >= 1 and out.resumed and not out.flushed
+    assert out.resume_gap_ms is not None and out.resume_gap_ms <= 600  # target 400 (benchmark)
+    # The reply played to its end: every sample of every clause once, none skipped, none twice.
+    assert events(out, "turn_end") and not events(out, "turn_end")[0]["interrupted"]
+    assert out.segments and all(n == played for n, played in out.segments)
+
+
+def test_short_stop_flushes_and_no_stale_audio_plays_again(ctx, parts, embedded_cfg):
+    cache = ctx[0]
+    # "Wait." (0.4 s): flushed in every voice in both benchmark runs here; "Stop." and "No." are the
+    # classifier's weak spots (see the benchmark's short_interrupt_flushed).
+    out = run(ctx, parts, embedded_cfg, bench.Case("short_stop", "wait", cache.speech("Wait.", "joe"), "Wait.", 0.6, 0.0),
+              wait_turn_end=True)
+    assert out.flushed, [(r["event"], r.get("heard")) for r in out.records if r["event"] in ("resumed", "vad_reject")]
+    flushed = events(out, "flushed")[0]
+    silent = [r for r in events(out, "output_silent") if r["t"] >= flushed["t"] - 0.2]
+    # From the flush until a new reply starts, the speaker stays silent: the old reply never comes back.
+    new_audio = [r["t"] for r in events(out, "tts_first_audio") if r["t"] > flushed["t"]]
+    end = int((new_audio[0] if new_audio else len(out.output) / MODEL_RATE) * MODEL_RATE)
+    start = int((flushed["t"] + 0.05) * MODEL_RATE)
+    assert np.max(np.abs(out.output[start:end])) < 10 ** (-50 / 20)
+    assert silent or np.max(np.abs(out.output[start - 800:start])) < 10 ** (-50 / 20)
+
+
+def test_a_door_slam_never_flushes(ctx, parts, embedded_cfg):
+    cache = ctx[0]
+    out = run(ctx, parts, embedded_cfg,
+              bench.Case("noise", "door_slam", bench.at_level(cache.noise("door_slam"), bench.USER_DBFS), None, 0.6, 0.0))
+    assert not out.flushed
+    if out.interrupted:
+        assert out.resumed
+
+
+# --- the parts, offline ---
+
+@pytest.fixture(scope="module")
+def utterances(ctx):
+    cache = ctx[0]
+    words = {BargeInDecision.INTERRUPT: ["Stop.", "Wait.", "No."],
+             BargeInDecision.RESUME: ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]}
+    return [(w, v, want, cache.speech(w, v)) for want, ws in words.items() for w in ws for v in bench.VOICES]
+
+
+def test_keyword_classifier_hears_stop_words_and_backchannels(utterances):
+    clf = KeywordClassifier().load()
+    right = 0
+    wrong_flush = []
+    for text, voice, want, audio in utterances:
+        got = clf.classify(audio) or BargeInDecision.RESUME  # no verdict: the duration rule resumes short speech
+        right += got == want
+        if want == BargeInDecision.RESUME and got == BargeInDecision.INTERRUPT:
+            wrong_flush.append((text, voice, clf.last))
+    assert right / len(utterances) >= 0.8, (right, len(utterances))
+    assert len(wrong_flush) <= 2, wrong_flush
+    assert float(np.percentile(clf.costs_ms, 95)) < 100.0  # per interjection, measured here: ~10-40 ms
+
+
+def test_turn_taker_duration_rule_and_classifier():
+    class Says:
+        def __init__(self, v):
+            self.v = v
+
+        def classify(self, audio, transcript):
+            return self.v
+
+    tt = TurnTaker(700.0, Says(BargeInDecision.RESUME))
+    assert tt.during(800.0, None) == BargeInDecision.INTERRUPT
+    assert tt.during(300.0, None) == BargeInDecision.WAIT
+    assert tt.at_end(900.0, None, None) == BargeInDecision.INTERRUPT  # long speech, whatever is heard
+    assert tt.at_end(300.0, None, None) == BargeInDecision.RESUME
+    assert TurnTaker(700.0, Says(BargeInDecision.INTERRUPT)).at_end(300.0, None, None) == BargeInDecision.INTERRUPT
+    assert TurnTaker(700.0, Says(None)).at_end(300.0, None, None) == BargeInDecision.RESUME
+
+
+def test_segmenter_short_end_while_interjecting_and_gate(utterances):
+    audio = [a for t, v, _, a in utterances if t == "Uh-huh." and v == "joe"][0]
+    signal = np.concatenate([np.zeros(8000, np.float32), audio, np.zeros(16000, np.float32)])
+
+    def end_after_speech(interjecting):
+        seg = VadSegmenter(SileroVad(), interjecting=interjecting)
+        evs = seg.push(signal)
+        ends = [e for e in evs if e.kind in ("end", "reject")]
+        assert ends and ends[0].audio is not None
+        last_voice = 8000 + len(audio) - int(np.argmax(np.abs(audio[::-1]) > 0.01))
+        return (ends[0].t_sample - last_voice) * 1000 / 16000
+
+    assert end_after_speech(True) < 330 < end_after_speech(False)
+    gated = VadSegmenter(SileroVad(), onset_gate=lambda: False)
+    assert not [e for e in gated.push(signal) if e.kind == "onset"] and gated.gated > 0

@@ -1,0 +1,77 @@
+"""The simulated room: echo path (delay + impulse response + gain), near-end ground truth, scenario keys."""
+
+import numpy as np
+import pytest
+
+from appliance.audio.files import write_wav
+from appliance.audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
+from appliance.errors import UserError
+
+from conftest import DEMO
+
+
+def test_synthetic_ir_has_unit_energy_and_decays_60_db_in_rt60():
+    ir = synthetic_ir(150.0)
+    assert ir.dtype == np.float32 and len(ir) == int(0.150 * 16000)
+    assert np.sum(ir.astype(np.float64) ** 2) == pytest.approx(1.0, rel=1e-4)
+    assert np.argmax(np.abs(ir)) == 0  # the direct path first
+    head = np.sum(ir[1:400] ** 2)
+    tail = np.sum(ir[-400:] ** 2)
+    assert 10 * np.log10(head / tail) > 30  # decays by tens of dB along the response
+
+
+def test_echo_path_is_delay_then_ir_times_gain():
+    rng = np.random.default_rng(1)
+    played = (0.1 * rng.standard_normal(16000)).astype(np.float32)
+    pos = [0]
+
+    def read(n):
+        x = played[pos[0] : pos[0] + n]
+        pos[0] += n
+        return x
+
+    ir = synthetic_ir(100.0)
+    captured = []
+    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=-6.0, echo_delay_ms=30.0, impulse_response=ir)),
+                         read, lambda mic, far: captured.append((mic, far)), on_event=lambda r: None, paced=False)
+    for _ in range(100):
+        room.tick()
+    mic = np.concatenate([m for m, _ in captured])
+    far = np.concatenate([f for _, f in captured])
+    expected = 10 ** (-6 / 20) * np.convolve(played, np.concatenate([np.zeros(480), ir]))[:16000]
+    assert np.max(np.abs(mic - expected)) < 1e-5
+    assert np.array_equal(far, played)  # the far end handed over is exactly what was played
+    assert not any(room.near_active)
+
+
+def test_near_end_ground_truth_marks_scripted_speech(question_audio):
+    ev = ScriptedUtterance(question_audio, "What is a rainbow?", "q", at=0.2)
+    records = []
+    room = SimulatedRoom(Scenario([ev]), lambda n: np.zeros(n, np.float32), lambda m, f: None,
+                         on_event=records.append, paced=False)
+    for _ in range(300):
+        room.tick()
+    (speech,) = [r for r in records if r["event"] == "user_speech"]
+    first = room.near_active.index(True)
+    # Not before the file starts at 0.2 s (block 20), not after its first sample above -40 dBFS.
+    assert 20 <= first <= int(speech["onset_t"] * 100)
+    assert speech["onset_t"] >= 0.2 and speech["end_t"] > speech["onset_t"]
+
+
+def test_scenario_room_keys(tmp_path):
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
+    write_wav(tmp_path / "ir.wav", synthetic_ir(80.0) * 0.5, 16000)
+    base = "events:\n  - at: 0.5\n    say: q.wav\n"
+    p = tmp_path / "a.yaml"
+    p.write_text(base + "room:\n  echo_gain_db: 0\n  rt60_ms: 120\n")
+    sc = Scenario.load(p)
+    assert len(sc.room.impulse_response) == int(0.12 * 16000)
+    p.write_text(base + "room:\n  echo_gain_db: 0\n  impulse_response: ir.wav\n")
+    sc = Scenario.load(p)
+    assert np.sum(sc.room.impulse_response.astype(np.float64) ** 2) == pytest.approx(1.0, rel=1e-3)
+    p.write_text(base + "room:\n  rt60_ms: 120\n  impulse_response: ir.wav\n")
+    with pytest.raises(UserError, match="not both"):
+        Scenario.load(p)
+    p.write_text(base + "room:\n  reverb: 3\n")
+    with pytest.raises(UserError, match="unknown key"):
+        Scenario.load(p)
