@@ -1,0 +1,379 @@
+"""``appliance run``: the service systemd starts (``Type=notify``, ``WatchdogSec``).
+
+- ``READY=1`` once the pipeline's threads run (also when no sound device is there yet: the service then
+  sits in ``error``, says why in ``STATUS=``, and keeps trying to open it with back-off).
+- ``WATCHDOG=1`` every ``$WATCHDOG_USEC / 2`` from the main loop, and only while the pipeline's threads
+  (conversation, listener, engine, TTS, audio supervisor) are alive; a hung service is restarted by systemd.
+- ``STATUS=...`` on every state change worth a look in ``systemctl status``.
+- ``SIGHUP`` (``systemctl reload``) reloads config.yaml: a valid new config is applied without dropping
+  the conversation (the engine keeps its history): sound devices reopened, VAD thresholds, barge-in
+  timing, voice, LED and button pins; a new model loads in the background and takes over, with the
+  history, when ready. An invalid config is rejected as a whole: the running config stays, the log says
+  why in one line, and the LEDs show ``config_error`` for a few seconds.
+- The mute switch (a privacy control) is kept in ``storage.state_dir/muted`` and survives restarts.
+
+sd_notify is the documented datagram protocol over the ``AF_UNIX`` socket in ``$NOTIFY_SOCKET``
+(``sd_notify(3)``): a few lines here rather than a dependency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from .config import DEFAULT_CONFIG_PATH, Config, load
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+PLAYBACK_RATE = 48000  # the playback buffer's rate, Hz: most cards' native rate (no resampling there)
+CONFIG_ERROR_FLASH_S = 4.0
+
+
+class Notifier:
+    """sd_notify(3) over ``$NOTIFY_SOCKET``; silent when not started by systemd."""
+
+    def __init__(self, address: Optional[str] = None):
+        address = address if address is not None else os.environ.get("NOTIFY_SOCKET")
+        self.address = None
+        self._sock = None
+        if address:
+            self.address = "\0" + address[1:] if address.startswith("@") else address
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._last_status = None
+
+    def notify(self, *lines: str) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.sendto("\n".join(lines).encode(), self.address)
+        except OSError as exc:
+            log.debug("sd_notify failed: %s", exc)
+
+    def status(self, text: str) -> None:
+        if text != self._last_status:
+            self._last_status = text
+            self.notify(f"STATUS={text}")
+
+
+class MuteStore:
+    """The mute switch on disk: ``state_dir/muted`` holds ``1`` or ``0``."""
+
+    def __init__(self, state_dir: str | Path):
+        self.path = Path(state_dir) / "muted"
+        self.value = self.load()
+
+    def load(self) -> bool:
+        try:
+            return self.path.read_text().strip() == "1"
+        except OSError:
+            return False
+
+    def save(self, muted: bool) -> None:
+        if muted == self.value and self.path.exists():
+            return
+        self.value = muted
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("1\n" if muted else "0\n")
+            os.replace(tmp, self.path)  # atomic: a power cut leaves the old or the new value
+        except OSError as exc:
+            log.error("cannot save the mute switch to %s (%s); it will not survive a restart", self.path, exc)
+
+
+def _make_echo(cfg: Config):
+    if not cfg.echo.enabled:
+        return None
+    try:
+        from .audio.echo import EchoCanceller
+
+        e = cfg.echo
+        return EchoCanceller(getattr(e, "backend", "webrtc"), noise_suppression=getattr(e, "noise_suppression", False),
+                             high_pass_filter=getattr(e, "high_pass_filter", True))
+    except Exception as exc:
+        log.warning("echo cancellation off: %s", exc)
+        return None
+
+
+class Service:
+    """The appliance on sound devices around loaded :class:`~appliance.pipeline.Parts`.
+
+    :param cfg: the validated config.
+    :param parts: the loaded engine, voice and VAD (kept across reloads and device loss).
+    :param pin_factory: gpiozero pin factory for the LEDs and button (``MockFactory`` in tests).
+    :param indicators: indicators already showing ``loading`` (from :func:`run`), or None to create them.
+    """
+
+    def __init__(self, cfg: Config, parts, pin_factory=None, indicators=None, timeline=None):
+        from . import indicators as ind
+        from .audio.devices import DeviceAudio
+        from .pipeline import Session
+
+        self.cfg = cfg
+        self.parts = parts
+        self.pin_factory = pin_factory
+        self.mute = MuteStore(cfg.storage.state_dir)
+        self.indicators = indicators if indicators is not None else ind.create(cfg.gpio, self._post, pin_factory)
+        self.session = Session(cfg, parts, out_rate=PLAYBACK_RATE, echo=_make_echo(cfg))
+        conv = self.session.conversation
+        conv.keep_muted = self.mute.value
+        if self.mute.value:
+            self.session.listener.muted = True  # before any audio flows
+        conv.subscribe(lambda r: self.indicators.observe(r))
+        conv.subscribe(self._observe)
+        if timeline is not None:
+            conv.subscribe(timeline)
+        from .metrics import METRICS_FILE, TurnMetrics
+
+        conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE))  # one journal line per turn
+        self.audio = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, PLAYBACK_RATE,
+                                 self.session.playback.read, self.session.listener.capture, self._on_audio,
+                                 backoff=(0.5, cfg.audio.retry_max_s))
+        conv.turn_stats = self.audio.stats
+        self.status = "starting"
+        self.ready_posted = False
+        self.reloads: list[dict] = []
+        self._model_thread: Optional[threading.Thread] = None
+
+    def _post(self, name: str, **info) -> None:
+        self.session.conversation.post(name, **info)
+
+    # --- observers ---
+    def _observe(self, record: dict) -> None:
+        conv = self.session.conversation
+        if conv.keep_muted != self.mute.value:
+            self.mute.save(conv.keep_muted)
+        if record.get("event") == "state":
+            s = record["state"]
+            self.status = f"{s}: {record['reason']}" if s == "error" and record.get("reason") else s
+
+    def _on_audio(self, kind: str, info: dict) -> None:
+        if kind == "open":
+            if not self.ready_posted:
+                self.ready_posted = True
+                self._post("ready")
+            else:
+                self._post("recovered", device=info.get("output"))
+        elif kind == "lost":
+            self._post("stop_reply", source="device lost")
+            self._post("error", reason=f"sound device lost: {info.get('reason')}")
+        elif kind == "unavailable" and not info.get("repeated"):
+            self._post("stop_reply", source="device unavailable")
+            self._post("error", reason=info.get("reason", "no sound device"))
+
+    # --- life cycle ---
+    def start(self) -> None:
+        self.session.conversation.start()
+        self.audio.start()
+
+    def stop(self) -> None:
+        self.audio.stop()
+        self.session.stop()
+        self.indicators.close()
+
+    def threads_alive(self) -> dict[str, bool]:
+        s = self.session
+        th = {
+            "conversation": s.conversation._thread,
+            "listener": s.listener._thread,
+            "engine": s.engine_worker._thread,
+            "tts": s.tts_worker._thread,
+            "audio": self.audio._sup,
+        }
+        return {k: bool(t is not None and t.is_alive()) for k, t in th.items()}
+
+    def healthy(self) -> bool:
+        return all(self.threads_alive().values())
+
+    # --- reload ---
+    def reload(self, path: str | Path) -> bool:
+        """Re-read the config file and apply it whole, or reject it whole. Returns True if applied."""
+        try:
+            new = load(path)
+            prepared = self._prepare(new)
+        except UserError as exc:
+            log.error("config reload rejected, keeping the running config: %s", exc)
+            self.indicators.flash("config_error", CONFIG_ERROR_FLASH_S)
+            self.reloads.append({"applied": False, "reason": str(exc)})
+            return False
+        changed = self._apply(new, prepared)
+        log.warning("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
+        self.reloads.append({"applied": True, "changed": changed})
+        return True
+
+    def _prepare(self, new: Config) -> dict:
+        """Everything that can fail, before anything changes (raises :class:`UserError`)."""
+        old = self.cfg
+        out: dict = {}
+        if new.voice != old.voice:
+            from .speech import Tts
+
+            try:
+                out["tts"] = Tts(new.voice.model, length_scale=new.voice.length_scale, volume=new.voice.volume)
+            except UserError:
+                raise
+            except Exception as exc:
+                raise UserError(f"voice: cannot load {new.voice.model} ({exc.__class__.__name__}: {exc})") from None
+        if new.model != old.model:
+            for key in ("gguf", "mmproj"):
+                p = getattr(new.model, key)
+                if key == "mmproj" and not p:
+                    raise UserError("model.mmproj: a model that hears needs its audio projector; set model.mmproj")
+                if p and not Path(p).is_file():
+                    raise UserError(f"{p}: model.{key} not found; check the path")
+        if new.gpio != old.gpio:
+            # The new pins may overlap the old ones: release the old devices first, and put them back if
+            # the new ones cannot be had.
+            from . import indicators as ind
+
+            state = self.session.conversation.state.value
+            self.indicators.close()
+            try:
+                out["indicators"] = ind.create(new.gpio, self._post, self.pin_factory, strict=True)
+            except Exception as exc:
+                self.indicators = ind.create(old.gpio, self._post, self.pin_factory)
+                self.indicators.observe({"event": "state", "state": state})
+                raise UserError(f"gpio: the new pins cannot be used ({exc.__class__.__name__}: {exc})") from None
+        return out
+
+    def _apply(self, new: Config, prepared: dict) -> list[str]:
+        old, s = self.cfg, self.session
+        changed = []
+        if new.vad != old.vad:
+            seg, v = s.segmenter, new.vad
+            seg.threshold, seg.min_speech_ms, seg.min_silence_ms, seg.max_utterance_s = \
+                v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s
+            changed.append("vad")
+        if new.interruption != old.interruption:
+            s.conversation.turn_taker.backchannel_max_ms = new.interruption.backchannel_max_ms
+            s.playback.fade_samples = max(1, int(s.playback.sample_rate * new.interruption.fade_ms / 1000.0))
+            changed.append("interruption")
+        if "tts" in prepared:
+            s.tts_worker.tts = prepared["tts"]
+            self.parts.tts = prepared["tts"]
+            changed.append("voice")
+        if "indicators" in prepared:
+            self.indicators = prepared["indicators"]
+            self.indicators.observe({"event": "state", "state": s.conversation.state.value})
+            changed.append("gpio")
+        if new.audio != old.audio:
+            a = new.audio
+            self.audio.backoff = (0.5, a.retry_max_s)
+            if (a.input, a.output, a.output_block_ms) != (old.audio.input, old.audio.output, old.audio.output_block_ms):
+                self.audio.reopen(a.input, a.output, a.output_block_ms)
+            changed.append("audio")
+        if new.model != old.model:
+            self._reload_model(new)
+            changed.append("model (loading in the background)")
+        if new.storage != old.storage:
+            self.mute = MuteStore(new.storage.state_dir)
+            self.mute.save(s.conversation.keep_muted)
+            changed.append("storage")
+        if new.echo != old.echo:
+            changed.append("echo (applies at the next start)")
+        self.cfg = new if new.model == old.model else new.model_copy(update={"model": old.model})
+        return changed
+
+    def _reload_model(self, new: Config) -> None:
+        from .engine import Engine
+        from .pipeline import Parts
+
+        def work() -> None:
+            try:
+                parts = Parts.load(new.model_copy(update={"voice": self.cfg.voice}))
+                engine: Engine = parts.engine
+                if not engine.hears_audio:
+                    raise UserError(f"{new.model.gguf}: this model cannot hear (no audio projector)")
+            except Exception as exc:
+                log.error("model reload failed, keeping the running model: %s", exc)
+                self.indicators.flash("config_error", CONFIG_ERROR_FLASH_S)
+                return
+            worker = self.session.engine_worker
+
+            def swap() -> None:
+                old = worker.engine
+                if not engine.history:  # (with a history store, the new engine restored it already)
+                    engine.adopt(old.history)  # rebuilt into the new model's cache in the background
+                worker.engine = engine
+                self.parts.engine = engine
+                self.cfg = self.cfg.model_copy(update={"model": new.model})
+                log.warning("model reloaded: %s", new.model.gguf)
+
+            worker.call(swap)
+
+        self._model_thread = threading.Thread(target=work, name="model-reload", daemon=True)
+        self._model_thread.start()
+
+
+def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None) -> int:
+    """The service loop, until SIGTERM/SIGINT. Returns the exit code."""
+    from . import indicators as ind
+    from .engine import text_only_refusal
+    from .pipeline import Parts, Timeline
+
+    logging.getLogger("appliance").setLevel(min(logging.getLogger("appliance").getEffectiveLevel(), logging.INFO))
+    if not cfg.model.mmproj:
+        raise text_only_refusal(Path(cfg.model.gguf))
+    if config_path is None and DEFAULT_CONFIG_PATH.exists():
+        config_path = DEFAULT_CONFIG_PATH
+    notifier = Notifier()
+    stop = threading.Event()
+    hup = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    signal.signal(signal.SIGHUP, lambda *a: hup.set())
+
+    post_box: list = []
+    early = ind.create(cfg.gpio, lambda name, **info: post_box and post_box[0](name, **info), pin_factory)
+    early.show("loading")
+    notifier.status(f"loading {Path(cfg.model.gguf).name}")
+    from .progress import Progress
+
+    with Progress(f"loading {Path(cfg.model.gguf).name}"):
+        parts = Parts.load(cfg)
+    if not parts.engine.hears_audio:
+        raise text_only_refusal(Path(cfg.model.gguf))
+    # The full event timeline goes to the debug log (`appliance -v run`); the journal gets one metrics
+    # line per turn.
+    svc = Service(cfg, parts, pin_factory=pin_factory, indicators=early,
+                  timeline=Timeline(echo=lambda line: log.debug("%s", line)))
+    post_box.append(svc._post)
+    svc.start()
+    notifier.notify("READY=1", f"STATUS={svc.status}")
+    wd_usec = os.environ.get("WATCHDOG_USEC")
+    wd_pid = os.environ.get("WATCHDOG_PID")
+    interval = None
+    if wd_usec and (not wd_pid or wd_pid == str(os.getpid())):
+        interval = max(0.05, int(wd_usec) / 2e6)
+    next_ping = 0.0
+    try:
+        while not stop.is_set():
+            stop.wait(min(interval or 1.0, 1.0))
+            if hup.is_set():
+                hup.clear()
+                notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+                if config_path is None:
+                    log.error("config reload: no config file to reload (started without --config)")
+                else:
+                    svc.reload(config_path)
+                notifier.notify("READY=1")
+            notifier.status(svc.status)
+            if interval is not None and time.monotonic() >= next_ping:
+                alive = svc.threads_alive()
+                if all(alive.values()):
+                    notifier.notify("WATCHDOG=1")
+                    next_ping = time.monotonic() + interval
+                else:
+                    dead = ", ".join(k for k, v in alive.items() if not v)
+                    notifier.status(f"pipeline thread(s) died: {dead}; waiting for the watchdog")
+    finally:
+        notifier.notify("STOPPING=1")
+        svc.stop()
+    return 0

@@ -1,0 +1,218 @@
+"""Sound devices on real PortAudio streams: the JACK dummy server (``.ci/jackd-dummy``) stands in for the
+sound card, and a JACK client named ``user`` (tests/jack_dummy.py) is the device the appliance opens by
+name: its ``mouth`` is the microphone, its ``ear`` records the speaker. The conversation runs on the tiny
+random-weight Gemma 4 fixture (it hears; its words are nonsense), Piper's bundled voice and Silero VAD.
+
+Mocked: nothing but the sound card itself (a JACK dummy driver) and the user (a JACK client).
+Skipped with a reason when no JACK server runs (``make test`` on a laptop); ``.ci/run`` starts one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jack_dummy as jd
+from appliance.audio.devices import DeviceAudio, DeviceNotFound, match_device
+from appliance.audio.files import dbfs
+
+FIX = Path(__file__).parent / "fixtures" / "tiny_gemma4"
+needs_jack = pytest.mark.skipif(jd.why_skip() is not None, reason=str(jd.why_skip()))
+
+
+def test_match_device_by_substring_and_error_lists_candidates():
+    devs = [{"index": 0, "name": "bcm2835 Headphones: - (hw:0,0)", "max_input_channels": 0, "max_output_channels": 2},
+            {"index": 1, "name": "seeed-2mic-voicecard: (hw:1,0)", "max_input_channels": 2, "max_output_channels": 2},
+            {"index": 2, "name": "default", "max_input_channels": 32, "max_output_channels": 32}]
+    assert match_device(devs, "SEEED", "input")["index"] == 1
+    assert match_device(devs, "headphones", "output")["index"] == 0
+    assert match_device(devs, "default", "input", default_index=2)["index"] == 2
+    with pytest.raises(DeviceNotFound) as e:
+        match_device(devs, "ReSpeaker", "input")
+    msg = str(e.value)
+    assert "audio.input: 'ReSpeaker'" in msg and "'seeed-2mic-voicecard: (hw:1,0)'" in msg and "'default'" in msg
+    assert "bcm2835" not in msg  # it has no input channels
+    assert "\n" not in msg
+
+
+@pytest.fixture
+def user():
+    u = jd.User()
+    yield u
+    u.close()
+
+
+def _sine(seconds, freq, amp, rate=16000):
+    t = np.arange(int(seconds * rate)) / rate
+    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+@needs_jack
+def test_streams_open_by_name_carry_audio_both_ways(user):
+    """A tone from the user reaches ``capture`` at 16 kHz at its level; a tone from the playback side
+    (48 kHz, resampled by soxr to the device's 16 kHz) reaches the user's ear; callbacks are paced."""
+    tone48 = _sine(2.0, 440.0, 0.3, 48000)
+    pos = [0]
+
+    def read(n):
+        out = np.zeros(n, dtype=np.float32)
+        chunk = tone48[pos[0]:pos[0] + n]
+        out[:len(chunk)] = chunk
+        pos[0] += n
+        return out
+
+    mic, far, events = [], [], []
+    dev = DeviceAudio("user", "user", 10, 48000, read, lambda m, f: (mic.append(m), far.append(f)),
+                      lambda k, i: events.append((k, i)))
+    dev.start()
+    try:
+        assert dev.wait_open(15), events
+        info = dev.info
+        assert (info.input, info.output, info.in_rate, info.out_rate) == ("user", "user", 16000, 16000)
+        user.say(_sine(1.0, 300.0, 0.2))
+        t0 = time.monotonic()
+        assert jd.wait_for(lambda: sum(map(len, mic)) >= 2.5 * 16000, 15)
+        elapsed = time.monotonic() - t0
+    finally:
+        dev.stop()
+    m = np.concatenate(mic)
+    loud = m[np.abs(m) > 0.05]
+    assert len(loud) > 0.5 * 16000, "the user's tone did not reach the microphone side"
+    first = int(np.nonzero(np.abs(m) > 0.05)[0][0])
+    level = dbfs(m[first + 800:first + 8800])  # 0.5 s inside the tone
+    assert abs(level - dbfs(_sine(1.0, 300, 0.2))) < 1.0, level
+    assert 1.5 < elapsed < 12.0  # paced by the server's clock (2.5 s of audio), not unpaced like ALSA's null PCM
+    heard = user.heard()
+    assert dbfs(heard[np.abs(heard) > 0.01]) > dbfs(tone48) - 2.0, "the playback tone did not reach the ear"
+    assert sum(map(len, far)) > 1.5 * 16000  # the far end goes with the microphone, at 16 kHz
+    assert set(dev.xruns) >= {"input_overflow", "output_underflow", "late"}
+    assert dev.output_latency_ms is None  # closed now
+    assert events[0][0] == "open"
+
+
+@needs_jack
+def test_missing_device_names_found_devices_and_keeps_retrying():
+    events = []
+    dev = DeviceAudio("ReSpeaker", "system", 10, 48000, lambda n: np.zeros(n, np.float32), lambda m, f: None,
+                      lambda k, i: events.append((k, i)), backoff=(0.2, 0.4))
+    dev.start()
+    try:
+        assert jd.wait_for(lambda: len(events) >= 3, 20)
+    finally:
+        dev.stop()
+    kinds = {k for k, _ in events}
+    assert kinds == {"unavailable"}
+    first = events[0][1]
+    assert "audio.input: 'ReSpeaker'" in first["reason"] and "'system'" in first["reason"]
+    assert "system" in first["found"]
+    assert [i["repeated"] for _, i in events[:3]] == [False, True, True]  # said once, then quietly retried
+    assert events[2][1]["attempt"] == 3
+
+
+# --- a conversation through the real streams -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hearing_parts():
+    """Tiny Gemma 4 (random weights, hears 16 kHz audio), Piper's bundled voice, Silero VAD."""
+    from appliance.config import Config
+    from appliance.pipeline import Parts
+
+    cfg = Config()
+    cfg.model.gguf = str(FIX / "tiny-gemma4.gguf")
+    cfg.model.mmproj = str(FIX / "tiny-gemma4-mmproj.gguf")
+    cfg.model.n_ctx = 1024
+    cfg.model.n_threads = 2
+    cfg.model.max_reply_tokens = 12
+    cfg.model.history_budget_tokens = 700
+    cfg.gpio.enabled = False
+    return cfg, Parts.load(cfg)
+
+
+def _service(hearing_parts, tmp_path):
+    from appliance.service import Service
+
+    cfg, parts = hearing_parts
+    cfg = cfg.model_copy(deep=True)
+    cfg.audio.input = "user"
+    cfg.audio.output = "user"
+    cfg.audio.retry_max_s = 1.0
+    cfg.storage.state_dir = str(tmp_path)
+    cfg.echo.enabled = False
+    parts.engine.forget()
+    parts.vad.reset()
+    records = []
+    svc = Service(cfg, parts, timeline=records.append)
+    return svc, records
+
+
+def _turn(user, records, question_audio, timeout=60.0):
+    n0 = sum(1 for r in records if r["event"] == "turn_end")
+    user.say(question_audio)
+    ok = jd.wait_for(lambda: sum(1 for r in records if r["event"] == "turn_end") > n0, timeout, 0.05)
+    return ok
+
+
+def _history(svc):
+    svc.session.engine_worker.sync()  # the commit of the reply runs on the engine thread
+    return [(m.role, m.text) for m in svc.parts.engine.history]
+
+
+@needs_jack
+def test_conversation_through_real_streams(hearing_parts, tmp_path, user, question_audio):
+    """The user's question goes through the JACK streams into Silero and the model; the reply's turn
+    metrics carry the xrun count and the output latency."""
+    svc, records = _service(hearing_parts, tmp_path)
+    svc.start()
+    try:
+        assert jd.wait_for(lambda: svc.session.conversation.state.value == "listening", 20), records[-5:]
+        assert _turn(user, records, question_audio), [r["event"] for r in records]
+        states = [r["state"] for r in records if r["event"] == "state"]
+        assert states[:3] == ["listening", "thinking", states[2]] and "thinking" in states
+        turn = svc.session.conversation.turns[-1]
+        assert turn["input"] == "audio"  # the model heard the microphone, not a transcript
+        assert "xruns" in turn and turn["output_latency_ms"] > 0
+        assert [r for r, _ in _history(svc)] == ["user", "model"]
+    finally:
+        svc.stop()
+
+
+@needs_jack
+@pytest.mark.skipif(not jd.managed(), reason="the JACK server was not started by .ci/jackd-dummy, so this "
+                                              "test will not stop it (run `.ci/jackd-dummy start`)")
+def test_device_disappears_and_returns_without_losing_the_conversation(hearing_parts, tmp_path, question_audio):
+    """Stop the sound server mid-conversation: the state goes to ``error``, the service keeps trying, and
+    when the server (and the device) return it listens again with the history intact."""
+    user = jd.User()
+    svc, records = _service(hearing_parts, tmp_path)
+    svc.start()
+    try:
+        assert jd.wait_for(lambda: svc.session.conversation.state.value == "listening", 20)
+        assert _turn(user, records, question_audio)
+        history = _history(svc)
+        assert len(history) == 2
+        user.close()
+        jd.stop_server()
+        assert jd.wait_for(lambda: svc.session.conversation.state.value == "error", 10), records[-5:]
+        err = [r for r in records if r["event"] == "state" and r["state"] == "error"][-1]
+        assert "sound device" in err["reason"] or "no input" in err["reason"] or "no output" in err["reason"]
+        time.sleep(1.5)  # a few attempts while nothing is there
+        assert svc.audio.state in ("unavailable", "opening")
+        jd.start_server()
+        user = jd.User()
+        t0 = time.monotonic()
+        assert jd.wait_for(lambda: svc.session.conversation.state.value == "listening", 20), records[-5:]
+        recovered_s = time.monotonic() - t0
+        assert any(r["event"] == "recovered" for r in records)
+        assert _history(svc) == history  # the conversation survived
+        assert _turn(user, records, question_audio)
+        assert _history(svc)[:2] == history and len(_history(svc)) == 4
+        print(f"measured here: recovered {recovered_s:.2f} s after the server returned")
+    finally:
+        svc.stop()
+        user.close()
+        if not jd.server_up():
+            jd.start_server()

@@ -1,0 +1,141 @@
+"""``appliance run`` as systemd runs it: sd_notify (READY/WATCHDOG/STATUS over a real $NOTIFY_SOCKET),
+SIGHUP reloads, no sound device at boot, and the mute switch persisted across restarts.
+
+Real parts: the tiny Gemma 4 fixture (it hears), Piper, Silero, PortAudio in the audio worker. Nothing is
+mocked; there is simply no sound device matching the config, which is the case under test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures" / "tiny_gemma4"
+
+
+def _config(tmp_path: Path, **audio) -> Path:
+    cfg = {
+        "model": {"gguf": str(FIX / "tiny-gemma4.gguf"), "mmproj": str(FIX / "tiny-gemma4-mmproj.gguf"),
+                  "n_ctx": 1024, "n_threads": 2, "max_reply_tokens": 8, "history_budget_tokens": 700},
+        "audio": {"input": "ReSpeaker", "output": "ReSpeaker", "retry_max_s": 1.0, **audio},
+        "gpio": {"enabled": False},
+        "echo": {"enabled": False},
+        "storage": {"state_dir": str(tmp_path / "state")},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _recv_until(sock, pred, timeout):
+    got = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sock.settimeout(max(0.05, end - time.monotonic()))
+        try:
+            got.append(sock.recv(4096).decode())
+        except socket.timeout:
+            break
+        if pred(got):
+            break
+    return got
+
+
+def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
+    cfg_path = _config(tmp_path)
+    notify = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    env = dict(os.environ, NOTIFY_SOCKET=str(notify), WATCHDOG_USEC="1000000", PYTHONUNBUFFERED="1")
+    env.pop("WATCHDOG_PID", None)
+    err = open(tmp_path / "stderr.txt", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(cfg_path)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        msgs = _recv_until(sock, lambda g: sum("WATCHDOG=1" in m for m in g) >= 3, 90)
+        joined = "\n".join(msgs)
+        assert "READY=1" in joined, joined
+        assert joined.count("WATCHDOG=1") >= 3  # pinged at half of WATCHDOG_USEC while the threads live
+        assert "STATUS=error: no output sound device matches audio.output: 'ReSpeaker' (found:" in joined, joined
+        time.sleep(2.5)  # several more attempts
+        assert proc.poll() is None, "the service must keep retrying, not exit"
+        log = (tmp_path / "stderr.txt").read_text()
+        assert log.count("sound device matches audio.output: 'ReSpeaker' (found:") == 1, log  # said once
+
+        # An invalid config is rejected whole, in one line, and the service keeps running.
+        good = cfg_path.read_text()
+        cfg_path.write_text(good.replace("threshold", "x") + "vad:\n  threshold: 7\n")
+        proc.send_signal(signal.SIGHUP)
+        _recv_until(sock, lambda g: any("READY=1" in m for m in g), 10)
+        time.sleep(0.3)
+        log = (tmp_path / "stderr.txt").read_text()
+        rejected = [l for l in log.splitlines() if "config reload rejected" in l]
+        assert len(rejected) == 1 and "vad.threshold" in rejected[0], log
+        # A valid one is applied.
+        cfg_path.write_text(good + "vad:\n  threshold: 0.6\n")
+        proc.send_signal(signal.SIGHUP)
+        _recv_until(sock, lambda g: any("READY=1" in m for m in g), 10)
+        time.sleep(0.3)
+        log = (tmp_path / "stderr.txt").read_text()
+        assert "config reloaded" in log and "changed: vad" in log, log
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = None
+        sock.close()
+        err.close()
+    assert rc == 0
+
+
+def test_mute_survives_a_restart(tmp_path, fresh_parts, embedded_cfg):
+    from appliance.service import Service
+
+    cfg = embedded_cfg.model_copy(deep=True)
+    cfg.audio.input = cfg.audio.output = "no-such-card"
+    cfg.storage.state_dir = str(tmp_path)
+
+    def wait(svc, state, timeout=10):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and svc.session.conversation.state.value != state:
+            time.sleep(0.02)
+        return svc.session.conversation.state.value
+
+    svc = Service(cfg, fresh_parts)
+    svc.start()
+    try:
+        svc.session.conversation.post("ready")
+        assert wait(svc, "listening") == "listening"
+        svc.session.conversation.post("mute", muted=True)
+        assert wait(svc, "muted") == "muted"
+        time.sleep(0.1)
+        assert (tmp_path / "muted").read_text().strip() == "1"
+    finally:
+        svc.stop()
+    svc = Service(cfg, fresh_parts)
+    assert svc.session.listener.muted  # before any audio could flow
+    svc.start()
+    try:
+        svc.session.conversation.post("ready")
+        assert wait(svc, "muted") == "muted"
+        svc.session.conversation.post("error", reason="device gone")
+        assert wait(svc, "error") == "error"
+        svc.session.conversation.post("recovered")
+        assert wait(svc, "muted") == "muted"  # a recovered device does not unmute
+        svc.session.conversation.post("mute")
+        assert wait(svc, "listening") == "listening"
+        time.sleep(0.1)
+        assert (tmp_path / "muted").read_text().strip() == "0"
+    finally:
+        svc.stop()
