@@ -6,6 +6,7 @@ Exit codes: 0 success, 2 a user mistake (one line on stderr naming the file and 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -37,7 +38,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     load_input(args.input)  # fail fast on bad input, before seconds of model loading
-    parts = Parts.load(cfg)
+    parts = Parts.load(cfg, persist=False)  # a replay is a simulation: it leaves the real history alone
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
     report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines)
     out = Path(args.out)
@@ -102,6 +103,53 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    checks = doctor.run(args.config, embedded=args.embedded, checksums=args.checksums, capture_s=args.capture_s)
+    print(doctor.to_json(checks) if args.json else doctor.format_table(checks))
+    return doctor.exit_status(checks)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .metrics import METRICS_FILE, read_turns
+    from .stats import format_summary, summarise
+
+    source = args.source
+    if source is None:
+        cfg = _config(args)
+        path = Path(cfg.storage.state_dir) / METRICS_FILE
+        source = str(path) if path.exists() else "journal"
+    summary = summarise(read_turns(source), args.last)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary, source))
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from .bench import engine as bench_engine
+    from .pipeline import EMBEDDED_EXAMPLES, embedded_model_path
+
+    if args.embedded:
+        model, examples = embedded_model_path(), EMBEDDED_EXAMPLES
+    else:
+        model, examples = Path(_config(args).model.gguf), None
+        if not model.is_file():
+            raise UserError(f"{model}: model file not found; set model.gguf in config.yaml, or pass --embedded")
+    bench_engine.run(model, Path(args.json) if args.json else None, n_turns=args.turns, examples=examples)
+    return 0
+
+
+def cmd_bench_interruption(args: argparse.Namespace) -> int:
+    from .bench import interruption
+    from .pipeline import Parts
+
+    cfg = _config(args)
+    parts = Parts.load(cfg, persist=False)
+    interruption.run(cfg, parts, Path(args.json) if args.json else None, Path(args.cache), quick=args.quick,
+                     print_line=lambda s: print(s, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description="Offline voice appliance: hear, think, speak, stop when interrupted.")
     p.add_argument("--version", action="version", version=f"appliance {__version__}")
@@ -140,6 +188,35 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("file", nargs="?")
     sp.add_argument("--config", help=argparse.SUPPRESS)
     sp.set_defaults(func=cmd_check_config)
+
+    bench = sub.add_parser("bench", help="benchmarks: print a table and write JSON").add_subparsers(dest="bench", required=True)
+    sp = bench.add_parser("engine", help="prefill per turn, turn-50/turn-1 latency, cancel-to-idle, KV bytes per token")
+    sp.add_argument("--json", help="write the results to this JSON file")
+    sp.add_argument("--turns", type=int, default=50, help="turns per model (default 50)")
+    common(sp)
+    sp.set_defaults(func=cmd_bench_engine)
+    sp = bench.add_parser("interruption", help="barge-in latency, echo self-interrupts, backchannels, ERLE (real time, minutes)")
+    sp.add_argument("--json", help="write the summary to this JSON file")
+    sp.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),
+                    help="where generated bench speech is cached (default ~/.cache/appliance/bench-audio)")
+    sp.add_argument("--quick", action="store_true", help="a small subset of the suite (a smoke run)")
+    common(sp)
+    sp.set_defaults(func=cmd_bench_interruption)
+
+    sp = sub.add_parser("doctor", help="check config, models, RAM, sound devices, voice, VAD, GPIO, disk, clock")
+    sp.add_argument("--checksums", action="store_true", help="also hash the model files against SHA256SUMS beside them (slow)")
+    sp.add_argument("--json", action="store_true", help="print the checks as JSON")
+    sp.add_argument("--capture-s", type=float, default=1.0, help="length of the test recording, seconds (default 1)")
+    common(sp)
+    sp.set_defaults(func=cmd_doctor)
+
+    sp = sub.add_parser("stats", help="p50/p95 of the per-turn latencies over the last N turns")
+    sp.add_argument("source", nargs="?", help="'journal', a metrics.jsonl, or a replay's timeline.jsonl/report.json "
+                    "(default: <storage.state_dir>/metrics.jsonl, else the journal)")
+    sp.add_argument("-n", "--last", type=int, default=100, help="summarise the last N turns (0 = all; default 100)")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    common(sp, embedded=False)
+    sp.set_defaults(func=cmd_stats)
     return p
 
 

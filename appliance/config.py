@@ -12,14 +12,32 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import UserError
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/config.yaml")
+
+
+# BCM GPIO numbers a config may use on a Raspberry Pi 5 header: 2..27. GPIO 0 and 1 (ID_SD/ID_SC) are
+# reserved for the HAT ID EEPROM (Raspberry Pi HAT specification), so they are refused.
+BCM_PINS = range(2, 28)
+
+
+def _bcm_pin(n: int) -> int:
+    if n not in BCM_PINS:
+        raise PydanticCustomError(
+            "bcm_pin", "expected a BCM GPIO number from 2 to 27 (0 and 1 belong to the HAT EEPROM)")
+    return n
+
+
+# A BCM pin number. Any key of ``gpio`` whose name ends in ``_pin`` (an int) or ``_pins`` (a list of ints)
+# is also checked for pins used twice.
+BcmPin = Annotated[int, AfterValidator(_bcm_pin)]
 
 
 class _Section(BaseModel):
@@ -39,7 +57,7 @@ class ModelConfig(_Section):
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     seed: int = 0
-    history_budget_tokens: int = Field(3072, ge=128)
+    history_budget_tokens: int = Field(2048, ge=128)
     system_prompt: str = (
         "You are a friendly voice assistant on a small speaker. Answer in one to three short spoken "
         "sentences. No lists, no markdown, no emoji."
@@ -69,6 +87,8 @@ class AudioConfig(_Section):
     input: str = "default"
     output: str = "default"
     output_block_ms: int = Field(10, ge=2, le=100)
+    # Longest wait between attempts to open a missing device, s (the wait doubles from 0.5 s up to this).
+    retry_max_s: float = Field(10.0, ge=0.5, le=300.0)
 
 
 class InterruptionConfig(_Section):
@@ -76,26 +96,96 @@ class InterruptionConfig(_Section):
 
     fade_ms: float = Field(8.0, ge=1.0, le=50.0)
     backchannel_max_ms: int = Field(700, ge=100, le=5000)
+    # keywords: PocketSphinx hears stop words and backchannels in short interjections; duration: length only
+    classifier: Literal["keywords", "duration"] = "keywords"
+    interjection_silence_ms: int = Field(200, ge=64, le=2000)
 
 
 class EchoConfig(_Section):
     """Acoustic echo cancellation of the appliance's own voice on the microphone path."""
 
     enabled: bool = True
+    backend: Literal["webrtc", "speex"] = "speex"  # Speex MDF (pyaec) or WebRTC AEC3 (livekit)
+    noise_suppression: bool = True
+    high_pass_filter: bool = True
+    onset_gate_db: float = Field(-10.0, ge=-60.0, le=0.0)
+
+
+LedState = Literal["starting", "loading", "listening", "thinking", "speaking", "interrupted", "muted", "error",
+                   "config_error"]
+LedPattern = Literal["off", "steady", "dim", "pulse", "blink", "fast_blink", "blip"]
+
+
+def _color(value: str) -> str:
+    from colorzero import Color  # gpiozero's colour library
+
+    try:
+        Color(value)
+    except (ValueError, TypeError):
+        raise PydanticCustomError("color", "expected a colour name or #rrggbb, e.g. green or #00ff00") from None
+    return value
 
 
 class GpioConfig(_Section):
-    """LEDs and the mute button (BCM pin numbers)."""
+    """LEDs and the mute button (BCM pin numbers). See docs/gpio.md for the state → LED table."""
 
     enabled: bool = True
-    led_pin: Optional[int] = Field(None, ge=0, le=27)
-    button_pin: Optional[int] = Field(None, ge=0, le=27)
+    # single: one LED on led_pin (PWM-capable for pulse/dim); rgb: an RGB LED on rgb_pins [red, green,
+    # blue]; per_state: one plain LED per state on state_leds.
+    led_kind: Literal["single", "rgb", "per_state"] = "single"
+    led_pin: Optional[BcmPin] = None
+    rgb_pins: Optional[Annotated[list[BcmPin], Field(min_length=3, max_length=3)]] = None
+    rgb_active_high: bool = True  # False for a common-anode RGB LED
+    state_leds: dict[LedState, BcmPin] = Field(default_factory=dict)
+    patterns: dict[LedState, LedPattern] = Field(default_factory=dict)  # override the default pattern
+    colors: dict[LedState, Annotated[str, AfterValidator(_color)]] = Field(default_factory=dict)  # rgb only
+    button_pin: Optional[BcmPin] = None
+    long_press_s: float = Field(3.0, ge=0.5, le=10.0)  # hold this long: a fresh conversation
+    debounce_ms: int = Field(50, ge=5, le=500)
+
+    @model_validator(mode="after")
+    def _state_leds_unique(self) -> "GpioConfig":
+        """Refuse a state LED on a pin another key (or another state) already uses."""
+        owner: dict[int, str] = {}
+        for name in ("led_pin", "button_pin"):
+            if getattr(self, name) is not None:
+                owner[getattr(self, name)] = name
+        for pin in self.rgb_pins or []:
+            owner.setdefault(pin, "rgb_pins")
+        for state, pin in self.state_leds.items():
+            if pin in owner:
+                raise PydanticCustomError(
+                    "pin_reused", "pin {pin} is already used by gpio.{other}; give each key its own pin",
+                    {"pin": pin, "other": owner[pin], "field": f"state_leds.{state}"})
+            owner[pin] = f"state_leds.{state}"
+        return self
+
+    @model_validator(mode="after")
+    def _no_pin_twice(self) -> "GpioConfig":
+        """Refuse a BCM pin given to two keys (every ``*_pin`` / ``*_pins`` key of this section)."""
+        owner: dict[int, str] = {}
+        for name in type(self).model_fields:
+            if not (name.endswith("_pin") or name.endswith("_pins")):
+                continue
+            value = getattr(self, name)
+            pins = value if isinstance(value, (list, tuple)) else [value]
+            for pin in pins:
+                if pin is None:
+                    continue
+                if pin in owner:
+                    raise PydanticCustomError(
+                        "pin_reused", "pin {pin} is already used by gpio.{other}; give each key its own pin",
+                        {"pin": pin, "other": owner[pin], "field": name})
+                owner[pin] = name
+        return self
 
 
 class StorageConfig(_Section):
     """Where the conversation history and the mute flag live."""
 
     state_dir: str = "/var/lib/appliance/state"
+    persist_history: bool = True
+    keep_audio: bool = True
 
 
 class Config(_Section):
@@ -132,15 +222,26 @@ class ConfigError(UserError):
         super().__init__(f"{path}: {joined} (fix it, then run `appliance check-config {path}`)")
 
 
-def _line_index(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
-    """Map each key path in a composed YAML document to its 1-based line number."""
-    lines: dict[tuple, int] = {}
+def _line_index(node: yaml.Node, prefix: tuple = (), lines: Optional[dict] = None,
+                duplicates: Optional[list] = None) -> tuple[dict[tuple, int], list[ConfigProblem]]:
+    """Map each key path in a composed YAML document to its 1-based line number, and list the keys given
+    twice in one mapping (PyYAML silently keeps the last one, so the lines recorded are the last one's)."""
+    lines = {} if lines is None else lines
+    duplicates = [] if duplicates is None else duplicates
     if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
         for key_node, value_node in node.value:
-            path = prefix + (key_node.value,)
-            lines[path] = key_node.start_mark.line + 1
-            lines.update(_line_index(value_node, path))
-    return lines
+            key = str(key_node.value)
+            path = prefix + (key,)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                duplicates.append(ConfigProblem(
+                    line, ".".join(path), f"duplicate key (also at line {first[key]}; only this one would count); keep one"))
+            else:
+                first[key] = line
+            lines[path] = line
+            _line_index(value_node, path, lines, duplicates)
+    return lines, duplicates
 
 
 def _fields_at(loc: tuple) -> list[str]:
@@ -153,10 +254,52 @@ def _fields_at(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+_YAML_TYPE = {str: "text", int: "integer", float: "number", bool: "true/false", list: "list", dict: "mapping"}
+
+
+def _found(value: Any) -> str:
+    if value is None:
+        return "null"
+    shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    kind = _YAML_TYPE.get(type(value), type(value).__name__)
+    return f"{shown} ({kind})"
+
+
+def _expected(e: dict) -> str:
+    """What the schema wanted, in the words of a YAML file rather than pydantic's."""
+    kind, ctx = e["type"], e.get("ctx") or {}
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return "expected a whole number"
+    if kind in ("float_type", "float_parsing"):
+        return "expected a number"
+    if kind in ("bool_type", "bool_parsing"):
+        return "expected true or false"
+    if kind == "string_type":
+        return "expected text"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return "expected a section (a mapping of keys)"
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected', '')}"
+    bounds = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
+    if kind in bounds:
+        value = next(iter(ctx.values()), "")
+        return f"expected a value {bounds[kind]} {value}"
+    msg = e["msg"]
+    for prefix in ("Input should be ", "Value error, "):
+        if msg.startswith(prefix):
+            return "expected " + msg[len(prefix):]
+    return msg[:1].lower() + msg[1:]
+
+
 def _problems(err: ValidationError, lines: dict[tuple, int]) -> list[ConfigProblem]:
     problems = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
+        field = (e.get("ctx") or {}).get("field")
+        if field:  # a section-level check that names the offending key
+            loc = loc + (str(field),)
         path = ".".join(loc)
         line = lines.get(loc) or lines.get(loc[:-1])
         if e["type"] == "extra_forbidden":
@@ -164,15 +307,21 @@ def _problems(err: ValidationError, lines: dict[tuple, int]) -> list[ConfigProbl
             close = difflib.get_close_matches(loc[-1], known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys here: {', '.join(known)}"
             problems.append(ConfigProblem(line, path, f"unknown key{hint}"))
+        elif e["type"] == "pin_reused":
+            problems.append(ConfigProblem(line, path, e["msg"]))
         else:
-            found = e.get("input")
-            found_s = "nothing" if found is None else f"{found!r} ({type(found).__name__})"
-            problems.append(ConfigProblem(line, path, f"{e['msg'].lower()}, found {found_s}"))
+            problems.append(ConfigProblem(line, path, f"{_expected(e)}, found {_found(e.get('input'))}"))
+    problems.sort(key=lambda p: (p.line or 0, p.path))
     return problems
 
 
 def parse(text: str, path: Path) -> Config:
-    """Validate YAML text as a :class:`Config`. Raises :class:`ConfigError` listing every problem."""
+    """Validate YAML text as a :class:`Config`.
+
+    Types are strict: ``min_silence_ms: "500"`` (quoted text) is refused, as is ``n_threads: true``.
+
+    :raises ConfigError: listing every problem (line, key path, expected, found), sorted by line.
+    """
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -184,12 +333,15 @@ def parse(text: str, path: Path) -> Config:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, [ConfigProblem(1, "(top)", f"expected a mapping of sections, found {type(data).__name__}")])
-    lines = _line_index(node) if node is not None else {}
+        raise ConfigError(path, [ConfigProblem(1, "(top)", f"expected a mapping of sections, found {_found(data)}")])
+    lines, duplicates = _line_index(node) if node is not None else ({}, [])
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data, strict=True)
     except ValidationError as err:
-        raise ConfigError(path, _problems(err, lines)) from None
+        raise ConfigError(path, sorted(duplicates + _problems(err, lines), key=lambda p: (p.line or 0, p.path))) from None
+    if duplicates:
+        raise ConfigError(path, duplicates)
+    return cfg
 
 
 def load(path: str | Path) -> Config:

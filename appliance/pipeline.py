@@ -24,7 +24,7 @@ from .engine import Engine, EngineWorker
 from .speech import Tts
 from .audio.files import MODEL_RATE, resample
 from .playback import Playback
-from .turns import TurnTaker, WordListClassifier
+from .turns import turn_taker_from_config
 from .vad import SileroVad, VadSegmenter
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,11 @@ def embedded_config(cfg: Optional[Config] = None) -> Config:
     cfg.model.mmproj = None
     cfg.model.n_ctx = 2048
     cfg.model.n_threads = 2
-    cfg.model.history_budget_tokens = 1536
+    cfg.model.history_budget_tokens = 1024
     cfg.model.max_reply_tokens = 80
     cfg.voice.model = None
     cfg.gpio.enabled = False
+    cfg.storage.persist_history = False
     return cfg
 
 
@@ -124,7 +125,9 @@ class Listener:
                 elif ev.kind == "start":
                     self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
                 elif ev.kind == "reject":
-                    self.post("vad_reject", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
+                    transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
+                    self.post("vad_reject", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
+                              transcript=transcript)
                 elif ev.kind == "end":
                     transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
                     self.post("vad_end", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
@@ -230,13 +233,21 @@ class Parts:
     vad: SileroVad
 
     @classmethod
-    def load(cls, cfg: Config) -> "Parts":
+    def load(cls, cfg: Config, persist: Optional[bool] = None) -> "Parts":
+        """Load the models. ``persist`` (default: ``storage.persist_history``) keeps the conversation in
+        the history database under ``storage.state_dir`` and restores it on start."""
         m = cfg.model
+        store = None
+        if cfg.storage.persist_history if persist is None else persist:
+            from .history import HistoryStore
+
+            store = HistoryStore(cfg.storage.state_dir, keep_audio=cfg.storage.keep_audio)
         engine = Engine(m.gguf, m.mmproj, n_ctx=m.n_ctx, n_threads=m.n_threads, n_batch=m.n_batch,
                         kv_cache_type=m.kv_cache_type, system_prompt=m.system_prompt,
                         max_reply_tokens=m.max_reply_tokens, temperature=m.temperature, top_p=m.top_p,
                         seed=m.seed, history_budget_tokens=m.history_budget_tokens,
-                        examples=EMBEDDED_EXAMPLES if Path(m.gguf) == _embedded_path_if_built() else None)
+                        examples=EMBEDDED_EXAMPLES if Path(m.gguf) == _embedded_path_if_built() else None,
+                        store=store)
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
         return cls(engine, tts, SileroVad())
 
@@ -253,13 +264,20 @@ class Session:
         self.cfg = cfg
         self.parts = parts
         self.playback = Playback(out_rate, cfg.interruption.fade_ms, on_event=self._from_playback)
-        turn_taker = TurnTaker(cfg.interruption.backchannel_max_ms, WordListClassifier())
+        turn_taker = turn_taker_from_config(cfg)
         self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause)
         self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
         self.tts_worker = TtsWorker(parts.tts, self.playback, self._post, lambda: self.conversation.current_reply_id)
         parts.vad.reset()
         v = cfg.vad
-        self.segmenter = VadSegmenter(parts.vad, v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s)
+        self.segmenter = VadSegmenter(parts.vad, v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s,
+                                      interjection_silence_ms=cfg.interruption.interjection_silence_ms)
+        if echo is None:
+            from .audio.echo import from_config
+
+            echo = from_config(cfg)
+        if echo is not None and hasattr(echo, "near_end_present"):
+            self.segmenter.onset_gate = echo.near_end_present  # an onset must not be mostly our own echo
         self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
         self.conversation.subscribe(self._on_state)
 
@@ -276,6 +294,8 @@ class Session:
     def _on_state(self, record: dict) -> None:
         if record.get("event") == "state":
             self.listener.muted = record["state"] == State.MUTED.value
+            # While the reply is paused for the user, a short silence ends the interjection (then decide).
+            self.segmenter.interjecting = record["state"] == State.INTERRUPTED.value
 
     def start(self) -> None:
         self.conversation.start()

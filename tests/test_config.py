@@ -1,0 +1,156 @@
+"""config.yaml: every kind of bad config gets its exact one-line message and exit 2; the shipped file,
+the schema's defaults and the docs agree."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.config import Config, ConfigError, GpioConfig, parse
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def check_config(path):
+    return subprocess.run([sys.executable, "-m", "appliance", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def tail(path):
+    return f" (fix it, then run `appliance check-config {path}`)"
+
+
+BAD = {
+    "wrong type": ("vad:\n  threshold: 0.5\n  min_silence_ms: lots\n",
+                   "line 3: vad.min_silence_ms: expected a whole number, found 'lots' (text)"),
+    "quoted number": ("model:\n  n_threads: \"4\"\n",
+                      "line 2: model.n_threads: expected a whole number, found '4' (text)"),
+    "bool for int": ("model:\n  n_threads: true\n",
+                     "line 2: model.n_threads: expected a whole number, found true (true/false)"),
+    "out of range": ("model:\n  n_ctx: 100\n",
+                     "line 2: model.n_ctx: expected a value >= 256, found 100 (integer)"),
+    "not one of": ("model:\n  kv_cache_type: q5\n",
+                   "line 2: model.kv_cache_type: expected one of 'f16', 'q8_0' or 'q4_0', found 'q5' (text)"),
+    "unknown key": ("vad:\n  treshold: 0.6\n",
+                    "line 2: vad.treshold: unknown key; did you mean 'threshold'?"),
+    "unknown section": ("vda:\n  threshold: 0.6\n",
+                        "line 1: vda: unknown key; did you mean 'vad'?"),
+    "section not a mapping": ("vad: 3\n",
+                              "line 1: vad: expected a section (a mapping of keys), found 3 (integer)"),
+    "bad pin": ("gpio:\n  led_pin: 1\n",
+                "line 2: gpio.led_pin: expected a BCM GPIO number from 2 to 27 (0 and 1 belong to the HAT "
+                "EEPROM), found 1 (integer)"),
+    "pin past the header": ("gpio:\n  button_pin: 28\n",
+                            "line 2: gpio.button_pin: expected a BCM GPIO number from 2 to 27 (0 and 1 belong "
+                            "to the HAT EEPROM), found 28 (integer)"),
+    "pin used twice": ("gpio:\n  led_pin: 17\n  button_pin: 17\n",
+                       "line 3: gpio.button_pin: pin 17 is already used by gpio.led_pin; give each key its own pin"),
+    "duplicate key": ("vad:\n  threshold: 0.5\n  threshold: 0.6\n",
+                      "line 3: vad.threshold: duplicate key (also at line 2; only this one would count); keep one"),
+    "invalid YAML": ("vad:\n  threshold: [0.5\n",
+                     "line 3: (yaml): invalid YAML: expected ',' or ']', but got '<stream end>'"),
+    "tab indentation": ("vad:\n\tthreshold: 0.5\n",
+                        "line 2: (yaml): invalid YAML: found character '\\t' that cannot start any token"),
+    "not a mapping": ("- vad\n", "line 1: (top): expected a mapping of sections, found ['vad'] (list)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_config_gets_its_exact_message_and_exit_2(tmp_path, kind):
+    text, problem = BAD[kind]
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(text)
+    r = check_config(cfg)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    assert r.stderr == f"error: {cfg}: {problem}{tail(cfg)}\n"
+
+
+def test_missing_config_file(tmp_path):
+    cfg = tmp_path / "nowhere.yaml"
+    r = check_config(cfg)
+    assert r.returncode == 2
+    assert r.stderr == (f"error: {cfg}: config file not found (pass --config FILE, or --embedded to use the "
+                        "built-in defaults)\n")
+
+
+def test_every_problem_at_once_sorted_by_line(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("audio:\n  outptu: x\nvad:\n  threshold: 2\ngpio:\n  led_pin: 0\n")
+    r = check_config(cfg)
+    assert r.returncode == 2
+    assert r.stderr == (f"error: {cfg}: line 2: audio.outptu: unknown key; did you mean 'output'?; "
+                        "line 4: vad.threshold: expected a value < 1.0, found 2 (integer); "
+                        "line 6: gpio.led_pin: expected a BCM GPIO number from 2 to 27 (0 and 1 belong to the "
+                        f"HAT EEPROM), found 0 (integer){tail(cfg)}\n")
+
+
+def test_problems_are_structured():
+    with pytest.raises(ConfigError) as e:
+        parse("vad:\n  min_silence_ms: lots\n  treshold: 1\n", Path("c.yaml"))
+    assert [(p.line, p.path) for p in e.value.problems] == [(2, "vad.min_silence_ms"), (3, "vad.treshold")]
+
+
+def test_valid_config_exit_0(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("gpio:\n  led_pin: 17\n  button_pin: 27\nvad:\n  min_silence_ms: 600\n")
+    r = check_config(cfg)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"{cfg}: valid\n", "")
+
+
+def test_empty_file_is_all_defaults():
+    assert parse("", Path("c.yaml")) == Config()
+    assert parse("# only comments\n", Path("c.yaml")) == Config()
+
+
+def test_pins_twice_checks_every_pin_key():
+    """The duplicate-pin rule covers every ``*_pin`` key the section has, including ones added later."""
+    pin_keys = [n for n in GpioConfig.model_fields if n.endswith("_pin")]
+    assert len(pin_keys) >= 2
+    data = {"gpio": {pin_keys[0]: 22, pin_keys[-1]: 22}}
+    with pytest.raises(ConfigError) as e:
+        parse("gpio:\n" + "".join(f"  {k}: {v}\n" for k, v in data["gpio"].items()), Path("c.yaml"))
+    assert f"already used by gpio.{pin_keys[0]}" in str(e.value)
+
+
+def test_shipped_config_is_the_defaults():
+    """config.yaml shows every default: parsing it gives exactly the schema's defaults."""
+    assert parse((ROOT / "config.yaml").read_text(), ROOT / "config.yaml") == Config()
+
+
+def _key_paths(model, prefix=""):
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and hasattr(ann, "model_fields"):
+            yield from _key_paths(ann, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def test_every_key_is_in_config_yaml_with_a_comment():
+    """Every schema key appears in the shipped config.yaml, with a comment on its line or just above."""
+    lines = (ROOT / "config.yaml").read_text().splitlines()
+    section = None
+    seen = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\w+):\s*(#.*)?$", line)
+        if m:
+            section = m.group(1)
+            continue
+        m = re.match(r"^  (\w+):", line)
+        if m and section:
+            above = lines[i - 1].strip() if i else ""
+            seen[f"{section}.{m.group(1)}"] = "#" in line or above.startswith("#")
+    for key in _key_paths(Config):
+        assert key in seen, f"{key} is not in config.yaml"
+    undocumented = [k for k in _key_paths(Config) if not seen[k]]
+    # Self-explanatory sampling keys share the comment of the block they sit in.
+    assert not [k for k in undocumented if k not in {"model.temperature", "model.top_p", "model.seed"}], undocumented
+
+
+def test_every_key_is_in_the_docs():
+    doc = (ROOT / "docs" / "config.md").read_text()
+    missing = [k for k in _key_paths(Config) if f"`{k}`" not in doc]
+    assert not missing, f"docs/config.md lacks {missing}"
