@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-image clean
 
 # llama-cpp-python compiles from source (about 15-20 min on 2 cores); pip caches the built wheel, so
 # later installs take seconds. silero-vad goes in with --no-deps: its torch dependency is several GB and
@@ -23,6 +23,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Slow (tens of minutes; run as root, whenever the image changes): build the qemu test image and boot it
+# in qemu-system-aarch64, checking over SSH that the service is up and `appliance doctor` runs. Needs the
+# Debian packages listed in docs/image.md.
+IMAGE_VERSION := $(shell sed -nE 's/^version *= *"([^"]+)"/\1/p' pyproject.toml)
+test-image:
+	mkdir -p out
+	rm -f out/test-image-key out/test-image-key.pub
+	ssh-keygen -q -t ed25519 -N '' -C test-image -f out/test-image-key
+	export APPLIANCE_PASSWORD=$$(openssl rand -hex 12); \
+	./build-image.sh --target qemu --no-models --ssh-key out/test-image-key.pub --password --no-compress \
+	  && python3 tests/image_qemu_boot.py out/appliance-$(IMAGE_VERSION)-qemu.img --key out/test-image-key
 
 clean:
 	rm -rf out .pytest_cache

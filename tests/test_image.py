@@ -87,14 +87,14 @@ def _host_arch() -> str:
 def small_root_tar() -> Path:
     _require_env()
     suite, arch = _host_suite(), _host_arch()
-    tar = CACHE / "test" / f"small-{suite}-{arch}-v1.tar"
+    tar = CACHE / "test" / f"small-{suite}-{arch}-v2.tar"
     if not tar.exists():
         tar.parent.mkdir(parents=True, exist_ok=True)
         part = tar.with_suffix(".part.tar")
         _run(
             [
                 "mmdebstrap", "--variant=essential", f"--arch={arch}",
-                "--include=systemd,systemd-sysv,passwd,procps,login",
+                "--include=systemd,systemd-sysv,passwd,procps,login,openssh-client",
                 "--dpkgopt=path-exclude=/usr/share/doc/*",
                 "--dpkgopt=path-exclude=/usr/share/man/*",
                 "--dpkgopt=path-exclude=/usr/share/locale/*",
@@ -123,6 +123,10 @@ def config_file(tmp_path_factory) -> Path:
 def built(small_root_tar, config_file, tmp_path_factory):
     """Build the image once; yield paths and parameters for the checks."""
     d = tmp_path_factory.mktemp("image")
+    # Snapshot the config: the repository's copy may be edited while tests run.
+    snapshot = d / "config.yaml"
+    shutil.copyfile(config_file, snapshot)
+    config_file = snapshot
     key = d / "id_ed25519"
     _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ci@test", "-f", key])
     out = d / "out"
@@ -214,8 +218,17 @@ def test_unknown_hat_is_rejected():
     assert res.returncode != 0 and "unknown --hat" in res.stderr
 
 
-def test_refuses_models_without_pinned_hash(small_root_tar, config_file, tmp_path):
+def _pinned_model_hashes() -> bool:
+    text = SCRIPT.read_text()
+    return bool(re.search(r'^MODEL_SHA256_PINNED="[0-9a-fA-F]{64}"', text, re.M))
+
+
+def test_refuses_models_without_pinned_hash(config_file, tmp_path):
     """No model source/hash given: must fail with the reason, not build silently."""
+    _require_env()
+    if _pinned_model_hashes():
+        pytest.skip("the model hashes are pinned in build-image.sh: there is no missing hash to refuse")
+    small_root_tar = tmp_path / "unused.tar"  # the check comes before any root is needed
     res = _run(
         [SCRIPT, "--target", "qemu", "--rootfs-tar", small_root_tar, "--arch", _host_arch(),
          "--skip-python", "--config", config_file, "--out", tmp_path / "o", "--cache", tmp_path / "c"],
@@ -227,7 +240,9 @@ def test_refuses_models_without_pinned_hash(small_root_tar, config_file, tmp_pat
     assert not list((tmp_path / "o").glob("*.img"))
 
 
-def test_models_dir_hash_must_match(small_root_tar, config_file, tmp_path):
+def test_models_dir_hash_must_match(config_file, tmp_path):
+    _require_env()
+    small_root_tar = tmp_path / "unused.tar"  # the hash check comes before any root is needed
     models = tmp_path / "models"
     models.mkdir()
     (models / "gemma-4-E2B-it-Q4_K_M.gguf").write_bytes(b"not really a model")
@@ -388,3 +403,47 @@ def test_systemd_analyze_security_score():
     score = float(m.group(1))
     print(f"\nsystemd-analyze security appliance.service: exposure {score}")
     assert score <= 2.0
+
+
+def test_firstboot_applies_boot_partition_files(built, tmp_path):
+    """Run the first-boot script in a copy of the built root (chroot, host
+    architecture): userconf.txt, authorized_keys and appliance-wifi.txt are
+    applied and deleted; host keys are generated."""
+    root = tmp_path / "root"
+    _run(["cp", "-a", built["work"] / "rootfs", root])
+    boot = root / "boot" / "firmware"
+    boot.mkdir(parents=True, exist_ok=True)
+    # openssl passwd -6 -salt salt test1234
+    pw_hash = "$6$salt$omHbK1V1Alwa0VKXqLaW38vdS1uUhfx8GTj7XXCJcNUJxABwmYe8Vhpyt2tnnaAFC6UTI7PNk9sTtSGWGnYop."
+    (boot / "userconf.txt").write_text(f"maker:{pw_hash}\n")
+    (boot / "authorized_keys").write_text(built["pubkey"] + "\r\n")
+    (boot / "appliance-wifi.txt").write_text("# home\nssid=My Net\npsk=secret pass\ncountry=GB\n")
+    (root / "etc" / "ssh" / "sshd_config.d").mkdir(parents=True, exist_ok=True)
+    res = _run(["chroot", root, "/usr/lib/appliance/firstboot"], check=False, timeout=120)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log
+    shadow = (root / "etc" / "shadow").read_text()
+    assert f"maker:{pw_hash}:" in shadow, log
+    groups = (root / "etc" / "group").read_text()
+    assert any(line.startswith("sudo:") and "maker" in line for line in groups.splitlines()) or "sudo:" not in groups
+    assert (root / "etc" / "appliance-image" / "admin-user").read_text().strip() == "maker"
+    for f in ("userconf.txt", "authorized_keys", "appliance-wifi.txt"):
+        assert not (boot / f).exists(), f"{f} (a secret) was not removed"
+    keys = (root / "home" / "maker" / ".ssh" / "authorized_keys").read_text()
+    assert built["pubkey"] in keys and "\r" not in keys
+    assert "PasswordAuthentication no" in (root / "etc/ssh/sshd_config.d/20-appliance-keys-only.conf").read_text()
+    conn = root / "etc/NetworkManager/system-connections/appliance-wifi.nmconnection"
+    assert conn.stat().st_mode & 0o777 == 0o600
+    text = conn.read_text()
+    assert "ssid=My Net" in text and "psk=secret pass" in text and "key-mgmt=wpa-psk" in text
+    assert list((root / "etc" / "ssh").glob("ssh_host_*_key")), "host keys not generated: " + log
+
+
+def test_firstboot_warns_when_nobody_can_log_in(built, tmp_path):
+    root = tmp_path / "root"
+    _run(["cp", "-a", built["work"] / "rootfs", root])
+    ak = root / "home" / ADMIN / ".ssh" / "authorized_keys"
+    ak.unlink()
+    res = _run(["chroot", root, "/usr/lib/appliance/firstboot"], check=False, timeout=120)
+    assert res.returncode == 0
+    assert "no login is configured" in res.stderr
