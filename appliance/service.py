@@ -332,14 +332,17 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
 
     post_box: list = []
     early = ind.create(cfg.gpio, lambda name, **info: post_box and post_box[0](name, **info), pin_factory)
-    early.show("loading")
-    notifier.status(f"loading {Path(cfg.model.gguf).name}")
-    from .progress import Progress
-
-    with Progress(f"loading {Path(cfg.model.gguf).name}"):
-        parts = Parts.load(cfg)
-    if not parts.engine.hears_audio:
-        raise text_only_refusal(Path(cfg.model.gguf))
+    wd_usec = os.environ.get("WATCHDOG_USEC")
+    wd_pid = os.environ.get("WATCHDOG_PID")
+    interval = None
+    if wd_usec and (not wd_pid or wd_pid == str(os.getpid())):
+        interval = max(0.05, int(wd_usec) / 2e6)
+    loaded = _load_parts_or_wait(cfg, config_path, early, notifier, stop, hup, interval)
+    if loaded is None:  # stopped while waiting for a model
+        notifier.notify("STOPPING=1")
+        early.close()
+        return 0
+    parts, cfg = loaded
     # The full event timeline goes to the debug log (`appliance -v run`); the journal gets one metrics
     # line per turn.
     svc = Service(cfg, parts, pin_factory=pin_factory, indicators=early,
@@ -347,11 +350,6 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
     post_box.append(svc._post)
     svc.start()
     notifier.notify("READY=1", f"STATUS={svc.status}")
-    wd_usec = os.environ.get("WATCHDOG_USEC")
-    wd_pid = os.environ.get("WATCHDOG_PID")
-    interval = None
-    if wd_usec and (not wd_pid or wd_pid == str(os.getpid())):
-        interval = max(0.05, int(wd_usec) / 2e6)
     next_ping = 0.0
     try:
         while not stop.is_set():
@@ -377,3 +375,73 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
         notifier.notify("STOPPING=1")
         svc.stop()
     return 0
+
+
+def _load_parts_or_wait(cfg: Config, config_path, indicators, notifier, stop: threading.Event,
+                        hup: threading.Event, watchdog_s: Optional[float]):
+    """Load the models. If they are missing or unusable (an image built with ``--no-models``, a typo in
+    ``model.gguf``), stay up in a clear "no model" state instead of exiting: the error LED, one journal
+    line with the fix, ``READY=1`` with that status (so systemd does not restart-loop), the watchdog kept
+    alive, and a new attempt when the files change or on SIGHUP (``systemctl reload appliance``).
+
+    :returns: ``(parts, cfg)``: the loaded :class:`~appliance.pipeline.Parts` and the config they were
+        loaded with (a reload while waiting may have changed it), or None if stopped.
+    """
+    from .config import load
+    from .engine import text_only_refusal
+    from .pipeline import Parts
+    from .progress import Progress
+
+    announced = False
+    last_seen = None
+    while not stop.is_set():
+        indicators.show("loading")
+        notifier.status(f"loading {Path(cfg.model.gguf).name}")
+        try:
+            with Progress(f"loading {Path(cfg.model.gguf).name}"):
+                parts = Parts.load(cfg)
+            if not parts.engine.hears_audio:
+                raise text_only_refusal(Path(cfg.model.gguf))
+            if announced:
+                log.warning("model loaded: %s", cfg.model.gguf)
+            return parts, cfg
+        except UserError as exc:
+            reason = str(exc)
+        indicators.show("error")
+        log.error("no model: %s (waiting; `systemctl reload appliance` after fixing it)", reason)
+        if not announced:
+            notifier.notify("READY=1")
+            announced = True
+        notifier.status(f"no model: {reason}")
+        last_seen = _model_files_stamp(cfg)
+        while not stop.is_set():
+            stop.wait(min(watchdog_s or 2.0, 2.0))
+            if watchdog_s is not None:
+                notifier.notify("WATCHDOG=1")
+            if hup.is_set():
+                hup.clear()
+                if config_path is not None:
+                    try:
+                        new = load(config_path)
+                        if not new.model.mmproj:
+                            raise text_only_refusal(Path(new.model.gguf))
+                        cfg = new
+                    except UserError as exc:
+                        log.error("config reload rejected: %s", exc)
+                        continue
+                break
+            if _model_files_stamp(cfg) != last_seen:
+                break
+    return None
+
+
+def _model_files_stamp(cfg: Config) -> tuple:
+    """What changes when a model file is copied in, replaced or removed."""
+    stamp = []
+    for p in (cfg.model.gguf, cfg.model.mmproj):
+        try:
+            st = Path(p).stat() if p else None
+            stamp.append((st.st_size, st.st_mtime_ns) if st else None)
+        except OSError:
+            stamp.append(None)
+    return tuple(stamp)

@@ -139,3 +139,42 @@ def test_mute_survives_a_restart(tmp_path, fresh_parts, embedded_cfg):
         assert (tmp_path / "muted").read_text().strip() == "0"
     finally:
         svc.stop()
+
+
+def test_run_without_model_waits_in_a_no_model_state_and_loads_when_it_arrives(tmp_path):
+    """An image built with --no-models: the service stays up (READY=1, a "no model" status, watchdog
+    pings, one journal line with the fix) instead of exiting, and loads the model once it is copied in."""
+    models = tmp_path / "models"
+    models.mkdir()
+    cfg_path = _config(tmp_path)
+    text = cfg_path.read_text().replace(str(FIX), str(models))
+    cfg_path.write_text(text)
+    notify = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    env = dict(os.environ, NOTIFY_SOCKET=str(notify), WATCHDOG_USEC="1000000", PYTHONUNBUFFERED="1")
+    env.pop("WATCHDOG_PID", None)
+    err = open(tmp_path / "stderr.txt", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(cfg_path)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        msgs = _recv_until(sock, lambda g: sum("WATCHDOG=1" in m for m in g) >= 2, 60)
+        joined = "\n".join(msgs)
+        assert "READY=1" in joined and "STATUS=no model: " in joined, joined
+        assert "tiny-gemma4.gguf: model file not found" in joined, joined
+        assert proc.poll() is None, "with no model the service must wait, not exit"
+        log = (tmp_path / "stderr.txt").read_text()
+        assert log.count("no model:") == 1, log
+
+        # The model files arrive (e.g. copied over SSH): it loads them by itself.
+        for name in ("tiny-gemma4.gguf", "tiny-gemma4-mmproj.gguf"):
+            (models / name).write_bytes((FIX / name).read_bytes())
+        msgs = _recv_until(sock, lambda g: any("STATUS=error: no output sound device" in m for m in g), 60)
+        joined = "\n".join(msgs)
+        assert "STATUS=loading tiny-gemma4.gguf" in joined, joined
+        assert "STATUS=error: no output sound device" in joined, joined  # now past the model, on to the devices
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        sock.close()
