@@ -127,7 +127,7 @@ def _color(value: str) -> str:
 
 
 class GpioConfig(_Section):
-    """LEDs and the mute button (BCM pin numbers). See docs/gpio.md for the state → LED table."""
+    """LEDs and the mute button (BCM pin numbers). The state → LED table is in the README ("LEDs and the button")."""
 
     enabled: bool = True
     # single: one LED on led_pin (PWM-capable for pulse/dim); rgb: an RGB LED on rgb_pins [red, green,

@@ -12,7 +12,7 @@ contact bounce and ignored, the same on every pin factory (gpiozero's ``MockPin`
 
 Three LED set-ups (``gpio.led_kind``): one LED (``PWMLED`` on ``led_pin``; a pin without PWM falls back to
 on/off patterns), an RGB LED (``RGBLED`` on ``rgb_pins``), or one plain LED per state (``state_leds``).
-The default state → pattern table is :data:`DEFAULT_PATTERNS` (documented in docs/gpio.md); config keys
+The default state → pattern table is :data:`DEFAULT_PATTERNS` (documented in the README, "LEDs and the button"); config keys
 ``gpio.patterns`` and ``gpio.colors`` override it per state.
 
 Without GPIO hardware (a laptop, CI) the appliance runs without them and says so once in the log; tests
