@@ -135,7 +135,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         model, examples = Path(_config(args).model.gguf), None
         if not model.is_file():
             raise UserError(f"{model}: model file not found; set model.gguf in config.yaml, or pass --embedded")
-    bench_engine.run(model, Path(args.json) if args.json else None, n_turns=args.turns, examples=examples)
+    bench_engine.run(model, Path(args.json) if args.json else None, n_turns=args.turns, examples=examples,
+                     n_threads=args.threads)
     return 0
 
 
@@ -193,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = bench.add_parser("engine", help="prefill per turn, turn-50/turn-1 latency, cancel-to-idle, KV bytes per token")
     sp.add_argument("--json", help="write the results to this JSON file")
     sp.add_argument("--turns", type=int, default=50, help="turns per model (default 50)")
+    sp.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2; 1 on a busy machine)")
     common(sp)
     sp.set_defaults(func=cmd_bench_engine)
     sp = bench.add_parser("interruption", help="barge-in latency, echo self-interrupts, backchannels, ERLE (real time, minutes)")

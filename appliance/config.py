@@ -50,7 +50,7 @@ class ModelConfig(_Section):
     gguf: str = "/var/lib/appliance/models/gemma-4-E2B-it-Q4_K_M.gguf"
     mmproj: Optional[str] = "/var/lib/appliance/models/mmproj-gemma-4-E2B-it-f16.gguf"
     n_ctx: int = Field(4096, ge=256, le=131072)
-    n_threads: int = Field(4, ge=1, le=64)
+    n_threads: int = Field(3, ge=1, le=64)
     n_batch: int = Field(512, ge=8, le=8192)
     kv_cache_type: Literal["f16", "q8_0", "q4_0"] = "q4_0"
     max_reply_tokens: int = Field(160, ge=1, le=4096)

@@ -91,10 +91,10 @@ def _cancel_to_idle(engine: Engine, make_input: Callable[[int], dict], trials: i
     return out
 
 
-def _kv_bytes(path: Path, mmproj: Optional[Path], make_input, n_ctx: int) -> dict:
+def _kv_bytes(path: Path, mmproj: Optional[Path], make_input, n_ctx: int, n_threads: int) -> dict:
     result = {}
     for kv in ("f16", "q4_0"):
-        e = Engine(path, mmproj, n_ctx=n_ctx, n_threads=2, kv_cache_type=kv, max_reply_tokens=8,
+        e = Engine(path, mmproj, n_ctx=n_ctx, n_threads=n_threads, kv_cache_type=kv, max_reply_tokens=8,
                    system_prompt="Be brief.", temperature=0.0)
         for i in range(3):
             text = "".join(e.start_turn(**make_input(i)))
@@ -105,7 +105,8 @@ def _kv_bytes(path: Path, mmproj: Optional[Path], make_input, n_ctx: int) -> dic
 
 
 def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 50, n_ctx: int = 8192,
-                system_prompt: str = "Be brief.", examples=None, progress: Callable[[str], None] = print) -> dict:
+                system_prompt: str = "Be brief.", examples=None, progress: Callable[[str], None] = print,
+                n_threads: int = 2) -> dict:
     rng = np.random.default_rng(0)
     speech = None
     if audio:
@@ -120,7 +121,7 @@ def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 
         return {"transcript": QUESTIONS[i % len(QUESTIONS)]}
 
     # Budget large enough that 50 turns need no pruning: this measures the append-only path.
-    engine = Engine(path, mmproj, n_ctx=n_ctx, n_threads=2, kv_cache_type="q4_0", max_reply_tokens=24,
+    engine = Engine(path, mmproj, n_ctx=n_ctx, n_threads=n_threads, kv_cache_type="q4_0", max_reply_tokens=24,
                     system_prompt=system_prompt, temperature=0.0, history_budget_tokens=n_ctx // 2,
                     examples=examples)
     progress(f"{path.name}: {n_turns} {'audio' if audio else 'text'} turns")
@@ -146,14 +147,19 @@ def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 
         result["audio_encoder_ms_per_s"] = round((time.perf_counter() - t) * 1000.0 / (len(clip) / 16000), 2)
     del engine
     progress(f"{path.name}: KV bytes per token, f16 vs q4_0")
-    result["kv_bytes_per_token"] = _kv_bytes(path, mmproj, make_input, n_ctx=2048)
+    result["kv_bytes_per_token"] = _kv_bytes(path, mmproj, make_input, n_ctx=2048, n_threads=n_threads)
+    result["n_threads"] = n_threads
     return result
 
 
-def run(text_model: Path, json_path: Optional[Path], n_turns: int = 50, examples=None) -> dict:
+def run(text_model: Path, json_path: Optional[Path], n_turns: int = 50, examples=None, n_threads: int = 2) -> dict:
+    """Bench both models. ``n_threads``: llama.cpp threads; on a machine shared with other work, 1 avoids
+    the stalls of llama.cpp's spinning thread pool when a core is taken away."""
     report = {
-        "audio_model": bench_model(FIXTURE / "tiny-gemma4.gguf", FIXTURE / "tiny-gemma4-mmproj.gguf", audio=True, n_turns=n_turns),
-        "text_model": bench_model(Path(text_model), None, audio=False, n_turns=n_turns, examples=examples),
+        "audio_model": bench_model(FIXTURE / "tiny-gemma4.gguf", FIXTURE / "tiny-gemma4-mmproj.gguf", audio=True,
+                                   n_turns=n_turns, n_threads=n_threads),
+        "text_model": bench_model(Path(text_model), None, audio=False, n_turns=n_turns, examples=examples,
+                                  n_threads=n_threads),
         "measured": "here (x86_64, 2 cores); see the README for what to expect on a Pi 5",
     }
     text = json.dumps(report, indent=2)
