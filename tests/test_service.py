@@ -178,3 +178,51 @@ def test_run_without_model_waits_in_a_no_model_state_and_loads_when_it_arrives(t
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         sock.close()
+
+
+def test_reload_applies_vad_threshold_and_voice_without_losing_the_conversation(tmp_path):
+    """SIGHUP's work, in process: a good file changes the VAD threshold and the Piper voice, the history
+    stays; a bad file changes nothing. (The sound devices are not started: reload does not need them.)"""
+    import shutil
+
+    from appliance.config import load
+    from appliance.pipeline import Parts
+    from appliance.service import Service
+    from appliance.speech import bundled_voice_path
+
+    cfg_path = _config(tmp_path)
+    cfg = load(cfg_path)
+    parts = Parts.load(cfg)
+    svc = Service(cfg, parts)
+    try:
+        engine = svc.session.engine_worker.engine
+        import numpy as np
+        speech = np.sin(np.arange(16000) / 16000 * 2 * np.pi * 220).astype(np.float32) * 0.1
+        text = "".join(engine.start_turn(speech))
+        engine.commit_spoken(text, complete=True)
+        history = [(m.role, m.text) for m in engine.history]
+        assert len(history) == 2
+
+        voice = tmp_path / "voice" / "en_US-other-medium.onnx"
+        voice.parent.mkdir()
+        src = bundled_voice_path()
+        shutil.copy(src, voice)
+        shutil.copy(str(src) + ".json", str(voice) + ".json")
+        data = yaml.safe_load(cfg_path.read_text())
+        data["vad"] = {"threshold": 0.7}
+        data["voice"] = {"model": str(voice), "length_scale": 1.2}
+        cfg_path.write_text(yaml.safe_dump(data))
+        assert svc.reload(cfg_path) is True
+        assert svc.session.segmenter.threshold == 0.7
+        assert svc.session.tts_worker.tts.model_path == voice
+        assert svc.reloads[-1]["changed"] == ["vad", "voice"]
+        assert [(m.role, m.text) for m in svc.session.engine_worker.engine.history] == history
+
+        data["vad"] = {"threshold": "high"}
+        cfg_path.write_text(yaml.safe_dump(data))
+        assert svc.reload(cfg_path) is False
+        assert "vad.threshold" in svc.reloads[-1]["reason"]
+        assert svc.session.segmenter.threshold == 0.7  # the running config stays, whole
+        assert svc.session.tts_worker.tts.model_path == voice
+    finally:
+        svc.session.stop()
