@@ -34,17 +34,26 @@ def _config(args: argparse.Namespace) -> Config:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from .pipeline import Parts
-    from .replay import load_input, replay
+    from .replay import check_transcripts, load_input, replay
 
     cfg = _config(args)
-    load_input(args.input)  # fail fast on bad input, before seconds of model loading
+    scenario = load_input(args.input, args.transcript)  # fail fast on bad input, before seconds of model loading
+    if not cfg.model.mmproj:
+        check_transcripts(scenario, args.input)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the output directory ({exc.strerror}); give a writable --out DIR") from None
     parts = Parts.load(cfg, persist=False)  # a replay is a simulation: it leaves the real history alone
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
-    report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines)
-    out = Path(args.out)
+    report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines,
+                    transcript=args.transcript)
     print(f"reply:    {out / 'reply.wav'}")
     print(f"timeline: {out / 'timeline.jsonl'}")
     print(f"report:   {out / 'report.json'}")
+    if args.fast:
+        print("(--fast: the room waited for the pipeline, so these latencies are in simulated time, not measured)")
     for t in report["turns"]:
         print(f"turn {t['reply_id']}: end of turn → first token {t['eot_to_first_token_ms']} ms, "
               f"→ first audio {t['eot_to_first_audio_ms']} ms{' (interrupted)' if t['interrupted'] else ''}")
@@ -97,7 +106,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    path = Path(args.file or args.config or DEFAULT_CONFIG_PATH)
+    default = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml")
+    path = Path(args.file or args.config or default)
     load(path)
     print(f"{path}: valid")
     return 0
@@ -170,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("replay", help="run the pipeline on a WAV or scenario file in a simulated room")
     sp.add_argument("input", help="a WAV of speech or a scenario YAML")
     sp.add_argument("--out", required=True, help="output directory for reply.wav, timeline.jsonl, report.json")
-    sp.add_argument("--fast", action="store_true", help="do not pace in real time (latencies are then meaningless)")
+    sp.add_argument("--fast", action="store_true",
+                    help="do not pace in real time: the room waits for the pipeline instead (latencies are then meaningless)")
+    sp.add_argument("--transcript", help="what a WAV input says, for a text-only model that cannot hear it")
     sp.add_argument("--quiet", action="store_true", help="do not print the timeline")
     common(sp)
     sp.set_defaults(func=cmd_replay)
@@ -185,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.set_defaults(func=cmd_devices)
 
-    sp = sub.add_parser("check-config", help="validate a config file without running (exit 0 or 2)")
+    sp = sub.add_parser("check-config", help="validate a config file without running (exit 0 or 2); "
+                        "default /etc/appliance/config.yaml, else ./config.yaml")
     sp.add_argument("file", nargs="?")
     sp.add_argument("--config", help=argparse.SUPPRESS)
     sp.set_defaults(func=cmd_check_config)

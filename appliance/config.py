@@ -350,7 +350,10 @@ def load(path: str | Path) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: config file not found (pass --config FILE, or --embedded to use the built-in defaults)") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: config file not found; check the path (the commented default is config.yaml in "
+                        "the source tree)") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
+    except OSError as exc:
         raise UserError(f"{path}: cannot read config ({exc.__class__.__name__}); check the path and its permissions") from None
     return parse(text, path)

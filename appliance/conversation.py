@@ -90,6 +90,7 @@ class Conversation:
         self.state = State.STARTING
         self._observers: list[Observer] = []
         self._q: "queue.SimpleQueue[tuple[str, dict]]" = queue.SimpleQueue()
+        self._posted = self._handled = 0
         self._thread: Optional[threading.Thread] = None
         self._reply_id = 0
         self._turn: Optional[_Turn] = None
@@ -111,7 +112,12 @@ class Conversation:
     def post(self, name: str, **info: Any) -> None:
         """Queue an event; never blocks. ``info['t']`` defaults to now."""
         info.setdefault("t", self.clock())
+        self._posted += 1
         self._q.put((name, info))
+
+    def queue_empty(self) -> bool:
+        """Every event posted so far has been handled."""
+        return self._handled >= self._posted
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="conversation", daemon=True)
@@ -140,6 +146,7 @@ class Conversation:
                     self._emit(name, **info)
             except Exception:  # a bug here must not kill the appliance's only state owner
                 log.exception("conversation: handling %s failed", name)
+            self._handled += 1
             self._update_idle()
 
     def _update_idle(self) -> None:

@@ -30,6 +30,34 @@ log = logging.getLogger(__name__)
 
 AUDIO_MARKER = "<__media__>"  # mtmd_default_marker(): where mtmd puts the audio tokens
 
+_llama_log_state = {"level": logging.DEBUG}
+
+
+def _route_llama_log() -> None:
+    """Send llama.cpp's log lines (ggml.h levels: DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5) to the
+    ``logging`` module instead of stderr: WARN as INFO (e.g. "using full-size SWA cache" is expected here),
+    ERROR as ERROR. The callback object is kept alive at module level."""
+    import ctypes
+
+    import llama_cpp
+
+    levels = {3: logging.INFO, 4: logging.ERROR}
+    llama_log = logging.getLogger("llama_cpp")
+
+    @llama_cpp.llama_log_callback
+    def callback(level, text, user_data):  # pragma: no cover - called from C
+        try:
+            if level != 5:
+                _llama_log_state["level"] = levels.get(level, logging.DEBUG)
+            msg = text.decode("utf-8", "replace").rstrip()
+            if msg:
+                llama_log.log(_llama_log_state["level"], "%s", msg)
+        except Exception:
+            pass
+
+    _llama_log_state["callback"] = callback
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+
 
 @dataclass(frozen=True)
 class ChatFormat:
@@ -153,9 +181,12 @@ class Engine:
                  examples: Optional[list[tuple[str, str]]] = None, store=None):
         import llama_cpp
 
+        if "callback" not in _llama_log_state:
+            _route_llama_log()
         path = Path(gguf)
         if not path.is_file():
-            raise UserError(f"{path}: model file not found; set model.gguf in config.yaml, or run with --embedded")
+            raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF "
+                            "(`appliance doctor` checks the model files)")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
         try:
             self.llm = _load_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,

@@ -254,5 +254,8 @@ def read_turns(source: str | Path) -> list[dict]:
         else:
             lines.append(s)
     marked = [m for m in map(parse_line, lines) if m is not None]
+    if lines and not marked and not records:
+        raise UserError(f"{path}: holds no turn metrics; give a metrics.jsonl, a replay's timeline.jsonl or "
+                        "report.json, a saved journal, or `journal`")
     # A journal holds both the service's timeline (JSON) and the turn_metrics lines: count turns once.
     return marked if marked else _from_records(records)

@@ -92,13 +92,19 @@ class Listener:
         self.muted = False
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._n = 0
+        self._captured = self._done = 0
         self._onset_sample = 0
         self._thread = threading.Thread(target=self._run, name="listener", daemon=True)
         self._thread.start()
 
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
+        self._captured += 1
         self._q.put((mic.copy(), None if far_end is None else far_end.copy()))
+
+    def idle(self) -> bool:
+        """Every captured block has been through the VAD (for an unpaced replay)."""
+        return self._done >= self._captured
 
     def stop(self) -> None:
         self._q.put(None)
@@ -109,31 +115,35 @@ class Listener:
             item = self._q.get()
             if item is None:
                 return
-            mic, far = item
-            n0 = self._n
-            self._n += len(mic)
-            if self.muted:
-                continue  # a muted microphone reaches neither the VAD nor the model
-            if self.echo is not None and far is not None:
-                mic = self.echo.process(mic, far)
-            was_confirmed = self.segmenter.confirmed
-            for ev in self.segmenter.push(mic):
-                audio_t = ev.t_sample / MODEL_RATE
-                if ev.kind == "onset":
-                    self._onset_sample = ev.t_sample
-                    self.post("vad_onset", audio_t=audio_t, prob=round(ev.prob, 3))
-                elif ev.kind == "start":
-                    self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
-                elif ev.kind == "reject":
-                    transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
-                    self.post("vad_reject", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
-                              transcript=transcript)
-                elif ev.kind == "end":
-                    transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
-                    self.post("vad_end", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
-                              transcript=transcript)
-            if was_confirmed and self.segmenter.confirmed:
-                self.post("vad_progress", speech_ms=self.segmenter.speech_ms)
+            try:
+                self._process(*item)
+            finally:
+                self._done += 1
+
+    def _process(self, mic: np.ndarray, far: Optional[np.ndarray]) -> None:
+        self._n += len(mic)
+        if self.muted:
+            return  # a muted microphone reaches neither the VAD nor the model
+        if self.echo is not None and far is not None:
+            mic = self.echo.process(mic, far)
+        was_confirmed = self.segmenter.confirmed
+        for ev in self.segmenter.push(mic):
+            audio_t = ev.t_sample / MODEL_RATE
+            if ev.kind == "onset":
+                self._onset_sample = ev.t_sample
+                self.post("vad_onset", audio_t=audio_t, prob=round(ev.prob, 3))
+            elif ev.kind == "start":
+                self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
+            elif ev.kind == "reject":
+                transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
+                self.post("vad_reject", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
+                          transcript=transcript)
+            elif ev.kind == "end":
+                transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
+                self.post("vad_end", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
+                          transcript=transcript)
+        if was_confirmed and self.segmenter.confirmed:
+            self.post("vad_progress", speech_ms=self.segmenter.speech_ms)
 
 
 class TtsWorker:

@@ -23,12 +23,13 @@ SILENT_PEAK = 10 ** (-50 / 20)  # below -50 dBFS peak counts as silence
 SILENT_RUN = int(0.020 * MODEL_RATE)  # ... for at least 20 ms
 
 
-def load_input(path: str | Path) -> Scenario:
-    """A scenario YAML, or a WAV (any rate, mono or stereo) played at 0.5 s."""
+def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
+    """A scenario YAML, or a WAV (any rate, mono or stereo) played at 0.5 s, with ``transcript`` as its
+    text (used only by a model that cannot hear)."""
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
         return Scenario.load(path)
-    return Scenario.from_wav(path)
+    return Scenario.from_wav(path, text=transcript)
 
 
 def output_silent_after(output: np.ndarray, sample: int) -> Optional[int]:
@@ -79,21 +80,59 @@ def resumes(records: list[dict]) -> list[dict]:
     return result
 
 
+def check_transcripts(scenario: Scenario, input_path: str | Path) -> None:
+    """A text-only model needs the text of every utterance. Raises :class:`UserError` naming the fix."""
+    missing = [i for i, e in enumerate(scenario.events, 1) if not e.text]
+    if not missing:
+        return
+    if Path(input_path).suffix.lower() not in (".yaml", ".yml"):
+        raise UserError(f"{input_path}: the model is text-only and cannot hear this WAV; pass --transcript "
+                        "\"what it says\" (or give a model with an audio projector)")
+    raise UserError(f"{input_path}: the model is text-only and event(s) {missing} have no `text:` transcript; "
+                    "add `text:` to each event (or give a model with an audio projector)")
+
+
+def _waiting_capture(session: Session, capture: Callable, max_wait_s: float = 60.0) -> Callable:
+    """``--fast``: a capture that returns only when the pipeline has caught up with the room: the block is
+    through the VAD, the state machine has handled what it posted, and, while the appliance thinks or
+    speaks, the next audio of the reply exists (a person would be waiting for it in real time)."""
+    conv, listener, playback = session.conversation, session.listener, session.playback
+
+    def settled() -> bool:
+        if not listener.idle() or not conv.queue_empty():
+            return False
+        if conv.state.value == "thinking":
+            return False
+        if conv.state.value == "speaking" and playback.pending_samples == 0:
+            return False
+        return True
+
+    def wait_capture(mic, far):
+        capture(mic, far)
+        deadline = time.monotonic() + max_wait_s
+        while not settled() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    return wait_capture
+
+
 def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Config, *, paced: bool = True,
            echo=None, print_line: Optional[Callable[[str], None]] = None, max_seconds: float = 180.0,
-           idle_tail_s: float = 1.0) -> dict:
+           idle_tail_s: float = 1.0, transcript: Optional[str] = None) -> dict:
     """Run the scenario through a :class:`Session` in the simulated room and write the outputs.
 
+    :param paced: True: the room runs on the wall clock, so latencies include real compute. False
+        (``--fast``): the room does not sleep, and instead waits for the pipeline wherever a person would
+        be waiting for it (while it thinks, and for each clause's audio), so the conversation is the same
+        but its latencies mean nothing.
+    :param transcript: the text of a WAV input, for a model that cannot hear.
     :returns: the report (also written to ``report.json``).
     :raises UserError: bad input (scenario, audio files) or a text-only model with no transcript.
     """
-    scenario = load_input(input_path)
+    scenario = load_input(input_path, transcript)
     hears = parts.engine.hears_audio
     if not hears:
-        missing = [i for i, e in enumerate(scenario.events, 1) if not e.text]
-        if missing:
-            raise UserError(f"{input_path}: the model is text-only and event(s) {missing} have no `text:` transcript; "
-                            "add `text:` to each event (or give a model with an audio projector)")
+        check_transcripts(scenario, input_path)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -101,10 +140,14 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
         raise UserError(f"{out}: cannot create the output directory ({exc.strerror})") from None
     timeline = Timeline(out / "timeline.jsonl", echo=print_line)
     holder: dict = {}
-    clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
+    if paced:
+        clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
+    else:  # unpaced: the room's own sample clock, so the timeline still lines up with reply.wav
+        clock = lambda: holder["room"].n / MODEL_RATE  # noqa: E731
     session = Session(cfg, parts, out_rate=MODEL_RATE, echo=echo,
                       transcript_at=None if hears else scenario.transcript_at, clock=clock)
-    room = SimulatedRoom(scenario, session.playback.read, session.listener.capture, on_event=timeline, paced=paced)
+    capture = session.listener.capture if paced else _waiting_capture(session, session.listener.capture)
+    room = SimulatedRoom(scenario, session.playback.read, capture, on_event=timeline, paced=paced)
     holder["room"] = room
     session.conversation.subscribe(timeline)
     session.conversation.subscribe(room.observe)

@@ -103,3 +103,37 @@ def test_say_writes_a_wav(tmp_path):
     r = appliance("say", "Hello from the appliance.", "--out", str(out), "--embedded")
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 20000
+
+
+def test_say_into_a_missing_folder(tmp_path):
+    out = tmp_path / "nowhere" / "hello.wav"
+    r = appliance("say", "Hello.", "--out", str(out), "--embedded")
+    one_line_error(r, str(out), "cannot write the WAV file", "folder")
+
+
+def test_replay_to_an_unwritable_folder_fails_before_loading_models(tmp_path):
+    r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", "/proc/appliance-out", "--embedded")
+    one_line_error(r, "/proc/appliance-out", "cannot create the output directory")
+
+
+def test_wav_input_to_a_text_only_model_asks_for_a_transcript(tmp_path):
+    r = appliance("replay", str(DEMO / "question.wav"), "--out", str(tmp_path / "o"), "--embedded")
+    one_line_error(r, "question.wav", "--transcript")
+
+
+def test_stats_on_a_file_that_holds_no_turns(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\nworld\n")
+    r = appliance("stats", str(bad))
+    one_line_error(r, str(bad), "no turn metrics")
+
+
+def test_fast_replay_finishes_the_same_conversation(tmp_path):
+    r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(tmp_path / "o"), "--embedded", "--fast", "--quiet")
+    assert r.returncode == 0, r.stderr
+    import json
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert not report["timed_out"]
+    states = report["states"]
+    assert states[:5] == ["listening", "thinking", "speaking", "interrupted", "listening"]
+    assert states[-1] == "listening"

@@ -72,8 +72,16 @@ def test_missing_config_file(tmp_path):
     cfg = tmp_path / "nowhere.yaml"
     r = check_config(cfg)
     assert r.returncode == 2
-    assert r.stderr == (f"error: {cfg}: config file not found (pass --config FILE, or --embedded to use the "
-                        "built-in defaults)\n")
+    assert r.stderr == (f"error: {cfg}: config file not found; check the path (the commented default is "
+                        "config.yaml in the source tree)\n")
+
+
+def test_config_that_is_not_utf8(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_bytes(b"vad:\n  threshold: 0.5 \xff\n")
+    r = check_config(cfg)
+    assert r.returncode == 2
+    assert r.stderr == f"error: {cfg}: not UTF-8 text (byte 22); save the file as UTF-8\n"
 
 
 def test_every_problem_at_once_sorted_by_line(tmp_path):

@@ -444,6 +444,7 @@ class DeviceAudio:
                  capture: Callable[[np.ndarray, Optional[np.ndarray]], None],
                  on_status: Optional[Callable[[str, dict], None]] = None,
                  backoff: tuple[float, float] = (0.5, 10.0), stall_s: float = 1.0, grace_s: float = 3.0):
+        self.log_errors = True  # log a failing device once per distinct reason
         self.input_name = input_name
         self.output_name = output_name
         self.block_ms = block_ms
@@ -549,7 +550,7 @@ class DeviceAudio:
             reason, found = err
             repeated = reason == self.last_error
             self.last_error = reason
-            if not repeated:
+            if not repeated and self.log_errors:
                 log.error("%s; retrying every %.1f s at most", reason, self.backoff[1])
             self.on_status("unavailable", {"reason": reason, "found": found, "attempt": self.attempts,
                                            "retry_in_s": round(wait, 2), "repeated": repeated})
@@ -752,6 +753,7 @@ def play(audio: np.ndarray, rate: int, output: str = "default", timeout: Optiona
             done.set()
 
     dev = DeviceAudio(None, output, 20, rate, read, lambda mic, far: None, on_status, backoff=(0.5, 0.5))
+    dev.log_errors = False  # a one-shot play reports its failure itself, once
     dev.start()
     try:
         done.wait(timeout if timeout is not None else len(audio) / rate + 15.0)
@@ -759,7 +761,8 @@ def play(audio: np.ndarray, rate: int, output: str = "default", timeout: Optiona
         dev.stop()
     if "open" not in status:
         bad = status.get("unavailable") or status.get("lost") or {}
-        raise UserError(bad.get("reason", f"could not open the output device '{output}'"))
+        reason = bad.get("reason", f"could not open the output device '{output}'").split("; retrying")[0]
+        raise UserError(f"{reason}; or write a WAV instead with --out FILE")
     return status["open"]
 
 

@@ -43,10 +43,16 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE) -> np.ndarray:
 
 
 def write_wav(path: str | Path, audio: np.ndarray, rate: int) -> None:
-    """Write float32 mono audio as 16-bit PCM WAV."""
+    """Write float32 mono audio as 16-bit PCM WAV.
+
+    :raises UserError: the file cannot be written (one line naming it)."""
     import soundfile as sf
 
-    sf.write(str(path), np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), rate, subtype="PCM_16")
+    try:
+        sf.write(str(path), np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), rate, subtype="PCM_16")
+    except (OSError, RuntimeError, sf.LibsndfileError) as exc:
+        reason = getattr(exc, "strerror", None) or exc.__class__.__name__
+        raise UserError(f"{path}: cannot write the WAV file ({reason}); check that its folder exists and is writable") from None
 
 
 def dbfs(x: np.ndarray) -> float:
