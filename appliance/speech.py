@@ -12,6 +12,9 @@ import numpy as np
 from .errors import UserError
 
 PIPER_SAMPLE_RATE = 22050  # the medium-quality Piper voices' rate (from the voice's .onnx.json)
+# Piper normalises each sentence to full scale; resampling to the output rate then overshoots and clips.
+# 1 dB of headroom keeps the peaks below full scale.
+HEADROOM = 10 ** (-1.0 / 20.0)
 
 _MARKUP = re.compile(r"[*_#`~>|]+|\[[^\]]*\]\([^)]*\)")
 _EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF]")
@@ -112,7 +115,7 @@ class Tts:
         lang = str(getattr(self.voice.config, "espeak_voice", "") or "")
         self.latin_only = lang.split("-")[0] in {"en", "de", "fr", "es", "it", "nl", "pt", "ca", "da", "sv", "no", "nb", "fi", "pl", "cs"}
         self.model_path = path
-        self._syn = SynthesisConfig(length_scale=length_scale, volume=volume)
+        self._syn = SynthesisConfig(length_scale=length_scale, volume=volume * HEADROOM)
 
     def clean(self, text: str) -> str:
         """What this voice can say of ``text``: :func:`speakable`, minus letters of scripts it cannot read."""
