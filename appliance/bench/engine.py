@@ -11,7 +11,9 @@ Runs the real engine for 50 turns on two models and reports, per model:
 - ``kv_bytes_per_token``: KV cache bytes per position for an f16 and a q4_0 cache
   (``llama_state_seq_get_size`` of the conversation's sequence / positions);
 - ``audio_encoder_ms_per_s``: milliseconds to encode and decode one second of audio through mtmd
-  (audio model only).
+  (audio model only);
+- ``full_reprefill_at_last_turn``: what re-pre-filling the whole conversation would cost at the last turn
+  (what a handler that clears the cache every turn pays), against this engine's time to first token.
 
 Models: ``audio_model`` is the tiny random Gemma 4 fixture (audio turns through the real mtmd path;
 its figures are mechanics, not the speed of the real 2B model); ``text_model`` is the configured text
@@ -126,6 +128,16 @@ def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 
                     examples=examples)
     progress(f"{path.name}: {n_turns} {'audio' if audio else 'text'} turns")
     prefill, ttft, total = _run_turns(engine, n_turns, make_input)
+    # What a handler that clears the cache every turn (the stock multimodal chat handler) pays at this turn:
+    # the whole conversation pre-filled again (here through the engine's own background rebuild).
+    from ..engine import _Rebuild
+
+    engine._rebuild = _Rebuild(engine.history, reason="bench")
+    t = time.perf_counter()
+    while not engine.background_step(lambda: False):
+        pass
+    reprefill_ms = (time.perf_counter() - t) * 1000.0
+    reprefill_tokens = engine.rebuilds[-1]["tokens"]
     cancels = _cancel_to_idle(engine, make_input)
     result = {
         "model": path.name,
@@ -138,6 +150,8 @@ def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 
         "ttft_ms": {"turns_1_to_3": [round(x, 1) for x in ttft[:3]], "turns_48_to_50": [round(x, 1) for x in ttft[-3:]],
                     "median_all": round(statistics.median(ttft), 1)},
         "n_past_after": engine.n_past,
+        "full_reprefill_at_last_turn": {"tokens": reprefill_tokens, "ms": round(reprefill_ms, 1),
+                                        "vs_median_ttft": round(reprefill_ms / statistics.median(ttft[-3:]), 1)},
         "cancel_to_idle_ms": {"p50": round(_pct(cancels, 0.5), 2), "p95": round(_pct(cancels, 0.95), 2), "n": len(cancels)},
     }
     if audio and engine.audio is not None:
