@@ -49,8 +49,8 @@ def _recv_until(sock, pred, timeout):
     return got
 
 
-def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
-    cfg_path = _config(tmp_path)
+def _start_service(tmp_path: Path, cfg_path: Path):
+    """``appliance run`` as systemd starts it: a real $NOTIFY_SOCKET, a 1 s watchdog, stderr to a file."""
     notify = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify))
@@ -59,6 +59,12 @@ def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
     err = open(tmp_path / "stderr.txt", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(cfg_path)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    return proc, sock
+
+
+def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
+    cfg_path = _config(tmp_path)
+    proc, sock = _start_service(tmp_path, cfg_path)
     try:
         msgs = _recv_until(sock, lambda g: sum("WATCHDOG=1" in m for m in g) >= 3, 90)
         joined = "\n".join(msgs)
@@ -95,7 +101,6 @@ def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
             proc.kill()
             rc = None
         sock.close()
-        err.close()
     assert rc == 0
 
 
@@ -149,14 +154,7 @@ def test_run_without_model_waits_in_a_no_model_state_and_loads_when_it_arrives(t
     cfg_path = _config(tmp_path)
     text = cfg_path.read_text().replace(str(FIX), str(models))
     cfg_path.write_text(text)
-    notify = tmp_path / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(notify))
-    env = dict(os.environ, NOTIFY_SOCKET=str(notify), WATCHDOG_USEC="1000000", PYTHONUNBUFFERED="1")
-    env.pop("WATCHDOG_PID", None)
-    err = open(tmp_path / "stderr.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(cfg_path)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    proc, sock = _start_service(tmp_path, cfg_path)
     try:
         msgs = _recv_until(sock, lambda g: sum("WATCHDOG=1" in m for m in g) >= 2, 60)
         joined = "\n".join(msgs)
