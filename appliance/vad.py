@@ -22,6 +22,7 @@ SAMPLE_RATE = 16000
 WINDOW = 512  # samples per VAD window at 16 kHz = 32 ms
 CONTEXT = 64  # samples of left context the model expects before each window
 WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE
+HOP = WINDOW // 2  # the segmenter's default hop: two phase-shifted Silero streams, one result every 16 ms
 
 
 def bundled_model_path() -> Path:
@@ -57,6 +58,14 @@ class SileroVad:
             raise UserError(f"{path}: not a loadable ONNX model ({exc.__class__.__name__}); reinstall silero-vad") from None
         self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
         self.reset()
+
+    def fork(self) -> "SileroVad":
+        """A second stream on the same loaded model (its own recurrent state and context), e.g. for a
+        phase-shifted window sequence. The streams must not run concurrently (one thread owns both)."""
+        other = object.__new__(SileroVad)
+        other._session, other._sr = self._session, self._sr
+        other.reset()
+        return other
 
     def reset(self) -> None:
         """Forget the recurrent state and the context (start of a new stream)."""
@@ -106,6 +115,14 @@ class VadSegmenter:
     Defaults (threshold 0.5, speech start after 250 ms, end after 500 ms of silence) follow Silero's
     reference ``get_speech_timestamps``; the end threshold is ``threshold - 0.15`` as there.
 
+    ``hop``: a probability every ``hop`` samples (default 256 = 16 ms) over the last 512. Silero is
+    recurrent and trained on back-to-back windows, so a 16 ms hop runs two streams on the same model
+    (:meth:`SileroVad.fork`), each on its own back-to-back 512-sample windows, the second shifted by 256
+    samples; every hop takes the probability of the stream whose window just completed. That halves the
+    wait for a window to complete (the barge-in onset comes 0–16 ms after a window's speech instead of
+    0–32 ms) for twice the inference cost (one 512-sample window every 16 ms: about 0.6 ms each on x86_64
+    here, measured). ``hop=512`` is the single stream of Silero's reference.
+
     While :attr:`interjecting` is True (the appliance has paused its reply for the user's speech), an
     utterance ends after ``interjection_silence_ms`` of silence instead of ``min_silence_ms``, so that a
     backchannel is decided, and the reply resumed, within 400 ms of its end (200 ms of silence + at most one
@@ -125,9 +142,16 @@ class VadSegmenter:
     # canceller's double-talk test: is the near end, not the echo, what the VAD heard?).
     onset_gate: Optional[Callable[[], bool]] = None
     gated: int = 0  # windows above threshold that the gate refused
+    hop: int = HOP
 
     def __post_init__(self) -> None:
+        if self.hop not in (WINDOW, WINDOW // 2):
+            raise ValueError(f"VAD hop must be {WINDOW} or {WINDOW // 2} samples, got {self.hop}")
+        if not hasattr(self, "_streams"):
+            self._streams = [self.vad] if self.hop == WINDOW else [self.vad, self.vad.fork()]
         self._buf = np.zeros(0, dtype=np.float32)
+        self._window_buf = np.zeros(WINDOW, dtype=np.float32)  # the last 512 samples
+        self._hops = 0  # hops consumed
         self._n = 0  # samples consumed
         self._in_speech = False
         self._confirmed = False
@@ -137,7 +161,8 @@ class VadSegmenter:
         self._history: list[np.ndarray] = []  # recent windows for lead-in
 
     def reset(self) -> None:
-        self.vad.reset()
+        for v in self._streams:
+            v.reset()
         self.__post_init__()
 
     @property
@@ -158,23 +183,33 @@ class VadSegmenter:
         """Feed float32 mono 16 kHz samples of any length; returns the events of completed windows."""
         self._buf = np.concatenate([self._buf, block.astype(np.float32, copy=False)])
         events: list[VadEvent] = []
-        while len(self._buf) >= WINDOW:
-            w, self._buf = self._buf[:WINDOW], self._buf[WINDOW:]
-            events.extend(self._window(w))
+        h = self.hop
+        while len(self._buf) >= h:
+            new, self._buf = self._buf[:h], self._buf[h:]
+            self._window_buf = np.concatenate([self._window_buf[h:], new])
+            self._hops += 1
+            if self._hops * h < WINDOW:  # the first window is not complete yet
+                self._n += h
+                continue
+            stream = self._streams[self._hops % len(self._streams)]
+            events.extend(self._window(self._window_buf, new, stream))
         return events
 
-    def _window(self, w: np.ndarray) -> list[VadEvent]:
+    def _window(self, w: np.ndarray, new: np.ndarray, stream: SileroVad) -> list[VadEvent]:
+        """One probability over the window ``w`` (the last 512 samples), whose last ``hop`` samples,
+        ``new``, have not been seen before."""
         t0 = time.perf_counter()
-        p = self.vad.probability(w)
+        p = stream.probability(w)
         self.infer_ms.append((time.perf_counter() - t0) * 1000.0)
         if len(self.infer_ms) > 4096:
             del self.infer_ms[:2048]
-        start = self._n
-        self._n += WINDOW
+        self._n += len(new)
+        start = self._n - WINDOW  # the window's first sample
+        hop_ms = len(new) * 1000.0 / SAMPLE_RATE
         events: list[VadEvent] = []
         if not self._in_speech:
-            self._history.append(w)
-            lead = max(1, int(self.lead_in_ms / WINDOW_MS))
+            self._history.append(new)
+            lead = max(1, int(self.lead_in_ms / hop_ms))
             del self._history[:-lead]
             if p >= self.threshold and self.onset_gate is not None and not self.onset_gate():
                 self.gated += 1
@@ -184,7 +219,7 @@ class VadSegmenter:
                 self._utt = list(self._history)
                 events.append(VadEvent("onset", start, p))
             return events
-        self._utt.append(w)
+        self._utt.append(new)
         if p >= self.threshold - 0.15:
             self._last_voice = start + WINDOW
         speech_ms = (self._last_voice - self._onset) * 1000.0 / SAMPLE_RATE
@@ -195,7 +230,7 @@ class VadSegmenter:
         too_long = (self._n - self._onset) / SAMPLE_RATE >= self.max_utterance_s
         end_silence = self.interjection_silence_ms if self.interjecting else self.min_silence_ms
         if silence_ms >= end_silence or too_long:
-            keep = len(self._utt) - int((self._n - self._last_voice) / WINDOW) + 2
+            keep = len(self._utt) - int((self._n - self._last_voice) / len(new)) + int(64 / hop_ms)
             audio = np.concatenate(self._utt[: max(1, keep)])
             kind = "end" if self._confirmed else "reject"
             events.append(VadEvent(kind, start, p, audio=audio, speech_ms=speech_ms))

@@ -98,3 +98,35 @@ def test_stream_delay_from_portaudio_times():
     # Output block handed over at 10.000 s, heard at 10.030 s; input block captured at 10.040 s and
     # processed at 10.052 s: WebRTC's delay = 30 + 12 ms.
     assert stream_delay_ms(10.030, 10.000, 10.040, 10.052) == pytest.approx(42.0)
+
+
+def test_onset_gate_needs_two_checks_just_under_the_threshold_and_is_stricter_when_unconverged():
+    """The gate's rules on set frame energies (the canceller's own bookkeeping, no audio needed)."""
+    ec = EchoCanceller("speex", gate_db=-10.0)
+
+    def frames(ratio_db, n=3, far=1.0):
+        for _ in range(n):
+            ec._ratio_in.append(1.0)
+            ec._ratio_out.append(10 ** (ratio_db / 10))
+            ec._ratio_far.append(far)
+            ec.frames += 1
+
+    frames(-5.0)
+    assert ec.near_end_present()  # clearly the near end
+    frames(-14.0)
+    assert not ec.near_end_present()  # just under the threshold, once: refused
+    frames(-14.0, n=2)
+    assert ec.near_end_present()  # ... again at the next check (16 ms later): passes
+    frames(-30.0)
+    assert not ec.near_end_present()  # echo alone
+    frames(-14.0, n=2)
+    assert not ec.near_end_present()  # the previous check was not within 10 dB: refused
+    frames(-30.0, n=10, far=0.0)
+    assert ec.near_end_present()  # the far end is silent: nothing to gate
+
+    # Converged (ERLE ~30 dB over 2 s of far-end frames): the threshold is gate_db; unconverged
+    # (ERLE ~3 dB): raised to the echo floor + 12 dB, at most -6 dB.
+    ec._lt_in, ec._lt_out = [1.0] * 200, [1e-3] * 200
+    assert ec.gate_threshold_db() == -10.0
+    ec._lt_out = [0.5] * 200
+    assert ec.gate_threshold_db() == -6.0

@@ -152,3 +152,52 @@ def test_segmenter_short_end_while_interjecting_and_gate(utterances):
     assert end_after_speech(True) < 330 < end_after_speech(False)
     gated = VadSegmenter(SileroVad(), onset_gate=lambda: False)
     assert not [e for e in gated.push(signal) if e.kind == "onset"] and gated.gated > 0
+
+
+def test_half_hop_vad_is_two_silero_streams_on_back_to_back_windows(ctx):
+    """Every hop of 256 samples gets a probability, and each of the two streams sees exactly Silero's
+    reference input (its own back-to-back 512-sample windows, the second stream shifted by 256 samples)."""
+    question = ctx[3][: 3 * 16000]
+    seg = VadSegmenter(SileroVad(), hop=256)
+    seen = [[], []]
+    for k, stream in enumerate(seg._streams):
+        def rec(w, _p=stream.probability, _k=k):
+            p = _p(w)
+            seen[_k].append(p)
+            return p
+        stream.probability = rec
+    seg.push(question)
+    ref = SileroVad()
+    want_a = [ref.probability(question[i:i + 512]) for i in range(0, len(question) - 511, 512)]
+    ref.reset()
+    want_b = [ref.probability(question[i:i + 512]) for i in range(256, len(question) - 511, 512)]
+    assert np.allclose(seen[0], want_a, atol=1e-6) and np.allclose(seen[1], want_b, atol=1e-6)
+    assert abs(len(seen[0]) + len(seen[1]) - len(question) // 256) <= 1
+
+
+def test_half_hop_onset_is_never_later_than_the_single_stream(utterances):
+    # Stream 0 of the half hop is the single stream itself, so its onset can only come earlier; on the
+    # bench's voices it comes 0 or 16 ms earlier.
+    gains = []
+    for text, voice, _, audio in utterances:
+        signal = np.concatenate([np.zeros(8000 + 16 * len(gains) % 512, np.float32), audio, np.zeros(8000, np.float32)])
+        onsets = {}
+        for hop in (512, 256):
+            evs = VadSegmenter(SileroVad(), hop=hop).push(signal)
+            onsets[hop] = [e.t_sample + 512 for e in evs if e.kind == "onset"][0]  # window end
+        assert onsets[256] <= onsets[512], (text, voice, onsets)
+        gains.append(onsets[512] - onsets[256])
+    assert max(gains) == 256  # some onsets came one hop (16 ms) earlier
+
+
+def test_keyword_classifier_hears_words_between_digital_silence(utterances):
+    """The canceller's output is exact zeros once the echo is gone (a paused reply): PocketSphinx's dither
+    keeps such silence from swallowing the word (espeak-ng en-gb "No." was decoded as nothing without it)."""
+    clf = KeywordClassifier().load()
+    heard = []
+    for pad_s in (0.2, 0.5):
+        pad = np.zeros(int(pad_s * 16000), np.float32)
+        for text, voice, want, audio in utterances:
+            if text == "No.":
+                heard.append((voice, pad_s, clf.classify(np.concatenate([pad, audio, pad])), clf.last))
+    assert all(d == BargeInDecision.INTERRUPT for _, _, d, _ in heard), heard

@@ -7,7 +7,15 @@ Why Speex by default (measured here, Piper speech through a 30 ms + RT60 150 ms 
 above the user's voice): AEC3 cancels more (ERLE 40–59 dB) and never let the echo through to the VAD, but
 its suppressor holds back the first 100–200 ms of the user's speech while the far end is active, so a
 barge-in was detected 110–190 ms late (p50–p95); Speex with the onset gate (:meth:`near_end_present`)
-detected it 70–125 ms after onset with no false onsets.
+detected it 70–125 ms after onset with no false onsets (32 ms VAD hop).
+
+The onset gate (measured here on the bench's scenarios): the output/input energy ratio of the VAD window
+is about −33 dB on echo alone, but the canceller falls behind for a window now and then and the ratio of
+such a window reached −15 dB in real time (one self-interrupt at +6 dB echo with a −15 dB threshold),
+while a user's first phoneme under louder echo sits at −22 to −15 dB for 20–80 ms. So a window passes at
+``gate_db`` (−10 dB) at once, or within ``GATE_SOFT_DB`` of it in two consecutive checks 16 ms apart (the
+echo's excursions last one window, a user's onset does not); the threshold is raised while the canceller
+is unconverged (:meth:`EchoCanceller.gate_threshold_db`).
 
 The far end is what the output callback actually played; the near end is the microphone. On the
 simulated room the far-end block handed with each microphone block is exactly the block that was played
@@ -30,6 +38,12 @@ from ..errors import UserError
 
 RATE = 16000
 FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
+FAR_ACTIVE = 10 ** (-50 / 10)  # mean far-end power above which a frame counts as "far end active" (−50 dBFS)
+LT_FRAMES = 200  # the echo floor's memory: 2 s of far-active frames
+GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (echo-only windows that the VAD took
+# for speech sat up to 12 dB above it, p95 9 dB, in 10 offline runs of Piper replies at 0/+6 dB, measured here)
+GATE_SOFT_DB = 10.0  # ... or within this of it in two consecutive checks (see near_end_present)
+GATE_MAX_DB = -6.0  # ... and never stricter than this (the user at least a quarter of the microphone's energy)
 BACKENDS = ("webrtc", "speex")
 
 
@@ -88,7 +102,8 @@ class EchoCanceller:
     """Removes the far end (what the speaker played) from the near end (the microphone).
 
     :param backend: ``"speex"`` (default in config) or ``"webrtc"`` (AEC3).
-    :param gate_db: :meth:`near_end_present` threshold, dB (output/input energy over a VAD window).
+    :param gate_db: :meth:`near_end_present` threshold, dB (output/input energy over a VAD window); see
+        :meth:`gate_threshold_db` and the module's notes for how it is applied.
     :param noise_suppression: also run the backend's noise suppressor (WebRTC NS / Speex preprocessor).
     :param high_pass_filter: WebRTC's high-pass filter (ignored by Speex).
     :param tail_ms: Speex filter length, ms (ignored by WebRTC, whose AEC3 estimates the delay itself).
@@ -118,9 +133,16 @@ class EchoCanceller:
         self.record = record
         self.recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.gate_db = gate_db
+        self.gate_margin_db = GATE_MARGIN_DB
         self._ratio_in: list[float] = []  # per frame: near-end energy in, out, and far-end energy
         self._ratio_out: list[float] = []
         self._ratio_far: list[float] = []
+        # Energy in and out over recent frames with the far end active: the canceller's current echo return
+        # loss enhancement, the baseline of the onset gate.
+        self._lt_in: list[float] = []
+        self._lt_out: list[float] = []
+        self.gate_log: list[tuple[int, float, float, bool]] = []  # (frame, ratio_db, threshold_db, passed), if record
+        self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
 
     def set_delay_ms(self, ms: float) -> None:
         """The delay from a far-end frame being handed over to its echo reaching the canceller, ms (only
@@ -155,7 +177,11 @@ class EchoCanceller:
             self._ratio_in.append(float(np.dot(self._near[sl], self._near[sl])))
             self._ratio_out.append(float(np.dot(out[sl], out[sl])))
             self._ratio_far.append(float(np.dot(self._far[sl], self._far[sl])))
+            if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
+                self._lt_in.append(self._ratio_in[-1])
+                self._lt_out.append(self._ratio_out[-1])
         del self._ratio_in[:-64], self._ratio_out[:-64], self._ratio_far[:-64]
+        del self._lt_in[:-LT_FRAMES], self._lt_out[:-LT_FRAMES]
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -176,13 +202,40 @@ class EchoCanceller:
         e_out = sum(self._ratio_out[-k:])
         return 10.0 * np.log10((e_out + 1e-12) / (e_in + 1e-12))
 
+    def echo_floor_db(self) -> Optional[float]:
+        """Output-to-input energy ratio over the last 2 s of frames with the far end active, dB: about
+        −ERLE (the canceller's current performance; double talk only raises it). None before 0.5 s of it."""
+        if len(self._lt_in) < LT_FRAMES // 4:
+            return None
+        return 10.0 * np.log10((sum(self._lt_out) + 1e-12) / (sum(self._lt_in) + 1e-12))
+
+    def gate_threshold_db(self) -> float:
+        """The onset gate's threshold, dB: ``gate_db``, raised to ``echo_floor_db() + gate_margin_db`` while
+        the canceller removes less than that (unconverged: after boot, or after the echo path changed),
+        and at most ``GATE_MAX_DB``. Converged (ERLE 33–36 dB, measured here) it is ``gate_db``."""
+        floor = self.echo_floor_db()
+        if floor is None:
+            return self.gate_db
+        return float(min(GATE_MAX_DB, max(self.gate_db, floor + self.gate_margin_db)))
+
     def near_end_present(self, n: int = 512) -> bool:
         """Double-talk test for the VAD's onset gate: True when the last ``n`` samples are not mostly
-        cancelled echo (ratio above ``gate_db``), or when the far end has been silent."""
+        cancelled echo (ratio at or above :meth:`gate_threshold_db`), or when the far end has been silent."""
         if self._far_energy_recent(n) < 1e-7:
             return True
         r = self.near_end_ratio_db(n)
-        return r is None or r >= self.gate_db
+        if r is None:
+            return True
+        threshold = self.gate_threshold_db()
+        # A ratio just under the threshold passes when the previous check, one VAD hop (16 ms) earlier, was
+        # also within GATE_SOFT_DB of it: a user's onset under louder echo keeps the ratio up from window to
+        # window, while the echo's excursions (the canceller momentarily behind) last one window.
+        soft = r >= threshold - GATE_SOFT_DB
+        passed = r >= threshold or (soft and self._last_soft is not None and self.frames - self._last_soft <= 2)
+        self._last_soft = self.frames if soft else None
+        if self.record:
+            self.gate_log.append((self.frames, round(float(r), 1), round(threshold, 1), passed))
+        return passed
 
     def _far_energy_recent(self, n: int) -> float:
         k = max(1, n // FRAME)

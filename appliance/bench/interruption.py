@@ -14,8 +14,8 @@ from Debian's ``sound-theme-freedesktop`` when installed (else they are synthesi
 synthesised here.
 
 Ground truth: the room knows where each injected sound starts and ends (first/last sample above
-−40 dBFS); barge-in latency = the output's first 20 ms below −50 dBFS − the speech onset
-(:func:`appliance.replay.barge_ins`).
+−40 dBFS); barge-in latency = the end of the output's last sample above −50 dBFS before the pause holds −
+the speech onset (:func:`audible_until_ms`; a natural gap in the reply does not count as the pause).
 
 The echo canceller is warmed up on 6 s of the appliance's voice through the same echo path before each
 scenario: on a device it runs continuously, so the first reply after boot is the only one it meets
@@ -236,6 +236,10 @@ class Outcome:
     erle_den: float = 0.0
     vad_ms: list = field(default_factory=list)
     note: str = ""
+    gated: int = 0  # VAD windows above threshold that the echo onset gate refused
+    verdicts: list = field(default_factory=list)  # the turn taker's (speech_ms, decision, heard) decisions
+    gate_near_onset: list = field(default_factory=list)  # (ms after the onset, ratio dB, threshold dB) refused
+    gate_headroom_db: Optional[float] = None  # min over echo-only windows the gate refused: threshold − ratio
     segments: list = field(default_factory=list)  # (samples, played) per segment of the reply
     output: Optional[np.ndarray] = None
 
@@ -255,6 +259,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     echo = from_config(cfg, record=True)
     if echo is not None:
         warm_up(echo, gain, warm_voice)
+    frame0 = echo.frames if echo is not None else 0
     timeline = Timeline()
     holder: dict = {}
     clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
@@ -291,7 +296,8 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     recs = list(timeline.records)
     output = room.output_audio()
     out = Outcome(case, recs, valid=True, vad_ms=list(session.segmenter.infer_ms),
-                  segments=session.playback.segments_played(), output=output)
+                  segments=session.playback.segments_played(), output=output, gated=session.segmenter.gated,
+                  verdicts=list(session.conversation.turn_taker.verdicts))
     speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
     states = [r for r in recs if r["event"] == "state"]
     if case.audio is not None:
@@ -312,9 +318,27 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     out.resumed = bool(resumed) and not out.flushed
     if speech and resumed:
         out.resume_gap_ms = round((resumed[-1]["t"] - speech[0]["end_t"]) * 1000.0, 1)
+    if echo is not None and getattr(echo, "gate_log", None):
+        # The onset gate's refusals: near the interjection's onset (ms after it), and the closest the echo
+        # alone came to the threshold (headroom, dB) in the whole scenario.
+        refused = [((f - frame0) * 10.0, r, thr) for f, r, thr, ok in echo.gate_log if not ok]
+        if speech:
+            t_on = speech[0]["onset_t"] * 1000.0
+            out.gate_near_onset = [(round(t - t_on), r, thr) for t, r, thr in refused if -50 <= t - t_on <= 300]
+        early = [thr - r for t, r, thr in refused if not speech or t < speech[0]["onset_t"] * 1000.0 - 50]
+        out.gate_headroom_db = round(min(early), 1) if early else None
+    if case.kind == "barge_in" and out.valid and speech and not out.flushed:
+        # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)
+        drained = [r for r in recs if r["event"] == "turn_end" and not r.get("interrupted")]
+        why = [f"onset gate refused {len(out.gate_near_onset)} window(s) near the onset"]
+        if drained:
+            why.append(f"the reply ended {1000.0 * (drained[0]['t'] - speech[0]['onset_t']):+.0f} ms after the onset")
+        out.note = "; ".join(why)
     if case.kind in ("barge_in", "short_stop") and speech:
         b = [x for x in barge_ins(recs, output) if abs(x["onset_t"] - speech[0]["onset_t"]) < 1e-6]
         out.barge = b[0] if b else None
+        if out.barge is not None:
+            out.barge["output_silent_ms"] = audible_until_ms(output, speech[0]["onset_t"], out.barge["detected_ms"])
     # ERLE over echo-only blocks: far end playing, no scripted sound in the microphone block.
     if echo is not None and echo.recorded and room.echo:
         n = min(len(echo.recorded), len(room.near_active), len(room.echo))
@@ -328,6 +352,17 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
 
 
 QUESTION_AUDIO: np.ndarray = np.zeros(0, dtype=np.float32)
+
+
+def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> float:
+    """Barge-in latency from the recorded output, ms: the end of the last output sample above −50 dBFS
+    between the speech onset and 100 ms after the pause decision, relative to the onset (0 when the reply
+    was already silent). Unlike the first 20 ms of silence after the onset, a natural pause of the reply
+    (between clauses or words) that ends before the pause takes hold does not count as the barge-in."""
+    start = int(onset_t * MODEL_RATE)
+    stop = int((onset_t + max(0.0, detected_ms) / 1000.0 + 0.1) * MODEL_RATE)
+    loud = np.nonzero(np.abs(output[start:stop]) >= 10 ** (-50 / 20))[0]
+    return round((int(loud[-1]) + 1) * 1000.0 / MODEL_RATE, 1) if len(loud) else 0.0
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -356,6 +391,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         "backchannel_resumed": {"count": sum(1 for o in bc if o.resumed), "n": len(bc)},
         "short_interrupt_flushed": {"count": sum(1 for o in ss if o.flushed), "n": len(ss)},
         "resume_gap_ms": {"p50": pct(gaps, 50), "p95": pct(gaps, 95)},
+        "onset_gate_min_headroom_db": min((o.gate_headroom_db for o in outcomes if o.gate_headroom_db is not None),
+                                          default=None),
         "erle_db": round(10 * np.log10(max(num, 1e-20) / max(den, 1e-20)), 1) if den > 0 else None,
         "vad_ms_per_chunk": round(float(np.mean(vad)), 3) if vad else None,
         "classifier_ms_per_interjection": {"p50": pct(classifier_ms, 50), "p95": pct(classifier_ms, 95),
@@ -396,7 +433,8 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
         print_line(f"{c.kind:12} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} resumed={o.resumed} "
-                   f"silent_ms={silent} gap_ms={o.resume_gap_ms}" + ("" if o.valid else f" INVALID ({o.note})"))
+                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db} verdicts={o.verdicts}"
+                   + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
     summary = summarise(outcomes, costs)
     summary["config"] = {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,
