@@ -42,7 +42,7 @@ FAR_ACTIVE = 10 ** (-50 / 10)  # mean far-end power above which a frame counts a
 LT_FRAMES = 200  # the echo floor's memory: 2 s of far-active frames
 GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (echo-only windows that the VAD took
 # for speech sat up to 12 dB above it, p95 9 dB, in 10 offline runs of Piper replies at 0/+6 dB, measured here)
-GATE_SOFT_DB = 10.0  # ... or within this of it in two consecutive checks (see near_end_present)
+GATE_SOFT_DB = 6.0  # ... or within this of it in two consecutive checks (see near_end_present)
 GATE_MAX_DB = -6.0  # ... and never stricter than this (the user at least a quarter of the microphone's energy)
 BACKENDS = ("webrtc", "speex")
 
