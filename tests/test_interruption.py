@@ -25,6 +25,12 @@ def ctx(tmp_path_factory, parts, embedded_cfg):
     return cache, warm, bench.active_dbfs(warm), question
 
 
+# The real-time scenarios depend on what the 270M model happens to say (its replies differ in length and
+# content from run to run, and with them the echo and where the interjection lands): each is retried once
+# (pytest-rerunfailures). A behaviour that is broken fails both runs; the benchmark counts every run.
+REALTIME = pytest.mark.flaky(reruns=1)
+
+
 def run(ctx, parts, cfg, case, **kw):
     cache, warm, level, question = ctx
     out = bench.run_case(case, parts, cfg, warm, level, question=question, **kw)
@@ -36,6 +42,7 @@ def events(out, name):
     return [r for r in out.records if r["event"] == name]
 
 
+@REALTIME
 def test_long_barge_in_goes_silent_fast_and_flushes(ctx, parts, embedded_cfg):
     cache = ctx[0]
     text = bench.LONG_INTERRUPTIONS[0]
@@ -50,6 +57,7 @@ def test_long_barge_in_goes_silent_fast_and_flushes(ctx, parts, embedded_cfg):
     assert "thinking" in states[5:]
 
 
+@REALTIME
 def test_own_echo_louder_than_the_user_never_interrupts(ctx, parts, embedded_cfg):
     out = run(ctx, parts, embedded_cfg, bench.Case("echo_only", "echo +6 dB", None, None, 0.0, 6.0))
     assert events(out, "turn_end"), "the reply should play to its end"
@@ -58,6 +66,7 @@ def test_own_echo_louder_than_the_user_never_interrupts(ctx, parts, embedded_cfg
     assert out.erle_den > 0 and 10 * np.log10(out.erle_num / out.erle_den) >= 25.0
 
 
+@REALTIME
 def test_backchannel_resumes_without_replaying_or_skipping(ctx, parts, embedded_cfg):
     cache = ctx[0]
     out = run(ctx, parts, embedded_cfg,
@@ -70,6 +79,7 @@ def test_backchannel_resumes_without_replaying_or_skipping(ctx, parts, embedded_
     assert out.segments and all(n == played for n, played in out.segments)
 
 
+@REALTIME
 def test_short_stop_flushes_and_no_stale_audio_plays_again(ctx, parts, embedded_cfg):
     cache = ctx[0]
     # "Wait." (0.4 s): flushed in every voice in both benchmark runs here; "Stop." and "No." are the
@@ -87,6 +97,7 @@ def test_short_stop_flushes_and_no_stale_audio_plays_again(ctx, parts, embedded_
     assert silent or np.max(np.abs(out.output[start - 800:start])) < 10 ** (-50 / 20)
 
 
+@REALTIME
 def test_a_door_slam_never_flushes(ctx, parts, embedded_cfg):
     cache = ctx[0]
     out = run(ctx, parts, embedded_cfg,
