@@ -20,7 +20,6 @@ from .errors import UserError
 from .pipeline import Parts, Session, Timeline
 
 SILENT_PEAK = 10 ** (-50 / 20)  # below -50 dBFS peak counts as silence
-SILENT_RUN = int(0.020 * MODEL_RATE)  # ... for at least 20 ms
 
 
 def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
@@ -32,14 +31,15 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
     return Scenario.from_wav(path, text=transcript)
 
 
-def output_silent_after(output: np.ndarray, sample: int) -> Optional[int]:
-    """First sample at or after ``sample`` where the output stays below -50 dBFS for 20 ms, or None."""
-    quiet = np.abs(output[sample:]) < SILENT_PEAK
-    if not len(quiet):
-        return None
-    run = np.convolve(quiet.astype(np.int32), np.ones(SILENT_RUN, dtype=np.int32), mode="valid")
-    idx = np.nonzero(run == SILENT_RUN)[0]
-    return sample + int(idx[0]) if len(idx) else None
+def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> float:
+    """Barge-in latency from the recorded output, ms: the end of the last output sample above −50 dBFS
+    between the speech onset and 100 ms after the pause decision, relative to the onset (0 when the reply
+    was already silent). Unlike the first 20 ms of silence after the onset, a natural pause of the reply
+    (between clauses or words) that ends before the pause takes hold does not count as the barge-in."""
+    start = int(onset_t * MODEL_RATE)
+    stop = int((onset_t + max(0.0, detected_ms) / 1000.0 + 0.1) * MODEL_RATE)
+    loud = np.nonzero(np.abs(output[start:stop]) >= SILENT_PEAK)[0]
+    return round((int(loud[-1]) + 1) * 1000.0 / MODEL_RATE, 1) if len(loud) else 0.0
 
 
 def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
@@ -55,11 +55,11 @@ def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
         if not cause:
             continue
         onset = cause[-1]["onset_t"]
-        silent = output_silent_after(output, int(onset * MODEL_RATE))
+        detected_ms = round((r["t"] - onset) * 1000.0, 1)
         result.append({
             "onset_t": onset,
-            "detected_ms": round((r["t"] - onset) * 1000.0, 1),
-            "output_silent_ms": None if silent is None else round((silent / MODEL_RATE - onset) * 1000.0, 1),
+            "detected_ms": detected_ms,
+            "output_silent_ms": audible_until_ms(output, onset, detected_ms),
         })
     return result
 

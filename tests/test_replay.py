@@ -63,7 +63,9 @@ def test_report_has_per_turn_latencies(demo_run):
     for t in report["turns"]:
         assert 0 < t["eot_to_first_token_ms"] <= t["eot_to_first_audio_ms"] < 10000
     (b,) = report["barge_ins"]
-    assert 0 < b["detected_ms"] < 200 and 0 < b["output_silent_ms"] < 250
+    # output_silent_ms: the end of the last audible output sample after the onset (0 if the reply happened
+    # to be between two clauses when the user started).
+    assert 0 < b["detected_ms"] < 200 and 0 <= b["output_silent_ms"] <= b["detected_ms"] + 100
 
 
 def test_interrupted_reply_is_remembered_as_spoken(demo_run, parts):

@@ -41,7 +41,7 @@ from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, s
 from ..config import Config
 from ..errors import UserError
 from ..pipeline import Parts, Session, Timeline
-from ..replay import barge_ins
+from ..replay import audible_until_ms, barge_ins
 
 USER_DBFS = -26.0  # the user's active speech level at the microphone (RMS over samples above -50 dBFS)
 ECHO_DELAY_MS = 30.0
@@ -352,17 +352,6 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
 
 
 QUESTION_AUDIO: np.ndarray = np.zeros(0, dtype=np.float32)
-
-
-def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> float:
-    """Barge-in latency from the recorded output, ms: the end of the last output sample above −50 dBFS
-    between the speech onset and 100 ms after the pause decision, relative to the onset (0 when the reply
-    was already silent). Unlike the first 20 ms of silence after the onset, a natural pause of the reply
-    (between clauses or words) that ends before the pause takes hold does not count as the barge-in."""
-    start = int(onset_t * MODEL_RATE)
-    stop = int((onset_t + max(0.0, detected_ms) / 1000.0 + 0.1) * MODEL_RATE)
-    loud = np.nonzero(np.abs(output[start:stop]) >= 10 ** (-50 / 20))[0]
-    return round((int(loud[-1]) + 1) * 1000.0 / MODEL_RATE, 1) if len(loud) else 0.0
 
 
 def pct(xs: list[float], q: float) -> float:
