@@ -12,6 +12,7 @@ import pytest
 
 from appliance.audio.files import MODEL_RATE
 from appliance.bench import interruption as bench
+from appliance import turns
 from appliance.turns import BargeInDecision, KeywordClassifier, TurnTaker
 from appliance.vad import SileroVad, VadSegmenter
 
@@ -202,8 +203,9 @@ def test_half_hop_onset_is_never_later_than_the_single_stream(utterances):
 
 
 def test_keyword_classifier_hears_words_between_digital_silence(utterances):
-    """The canceller's output is exact zeros once the echo is gone (a paused reply): PocketSphinx's dither
-    keeps such silence from swallowing the word (espeak-ng en-gb "No." was decoded as nothing without it)."""
+    """The canceller's output is exact zeros once the echo is gone (a paused reply). Dither keeps such
+    silence from swallowing the word (espeak-ng en-gb "No." was decoded as nothing without it), and
+    trimming it keeps half a second of it from turning "No." into "oh" (the utterance-wide cepstral mean)."""
     clf = KeywordClassifier().load()
     heard = []
     for pad_s in (0.2, 0.5):
@@ -212,3 +214,11 @@ def test_keyword_classifier_hears_words_between_digital_silence(utterances):
             if text == "No.":
                 heard.append((voice, pad_s, clf.classify(np.concatenate([pad, audio, pad])), clf.last))
     assert all(d == BargeInDecision.INTERRUPT for _, _, d, _ in heard), heard
+
+
+def test_keyword_classifier_verdict_does_not_depend_on_history(utterances):
+    """The dither is seeded on every call: the same audio gets the same words whatever came before."""
+    clf = KeywordClassifier().load()
+    first = [clf.hypothesis(a) for _, _, _, a in utterances]
+    again = [clf.hypothesis(a) for _, _, _, a in reversed(utterances)][::-1]
+    assert first == again
