@@ -8,7 +8,9 @@ States: ``starting`` → ``listening`` → ``thinking`` → ``speaking`` → ``l
 first VAD onset pauses playback at once and enters ``interrupted``, then the turn taker decides:
 ``resumed`` (a backchannel or a noise: back to ``speaking`` where it paused) or ``flushed`` (a real
 interruption: the rest of the reply is dropped, generation cancelled, only the spoken text kept, and the
-new speech becomes the next user turn). ``muted`` ignores the microphone; ``error`` is a device or model
+new speech becomes the next user turn). A flushing interjection that the VAD cut after its short silence
+("Wait," …) is held until the user has been quiet for ``min_silence_ms`` (``vad_settled``), and joined to
+what they say before that ("… stop."), so the turn is the whole utterance. ``muted`` ignores the microphone; ``error`` is a device or model
 failure.
 """
 
@@ -25,6 +27,8 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from .turns import BargeInDecision, TurnTaker
+
+JOIN_GAP_SAMPLES = 1600  # 100 ms of silence at 16 kHz between a held interjection and what followed it
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,9 @@ class Conversation:
         self._turn: Optional[_Turn] = None
         self._muted_from: Optional[State] = None
         self._barge_audio_t: Optional[float] = None
+        # A stop word that flushed the reply, held until the user has really stopped talking (``vad_settled``)
+        # or joined to what they say next: (info, audio, transcript).
+        self._held: Optional[tuple] = None
         self.turns: list[dict] = []
         self.idle = threading.Event()
         # The mute switch outlives an error (a lost sound card) and a restart: ``ready``/``recovered``
@@ -150,7 +157,8 @@ class Conversation:
             self._update_idle()
 
     def _update_idle(self) -> None:
-        if self.state in (State.LISTENING, State.MUTED, State.ERROR) and self._turn is None and self._q.empty():
+        if self.state in (State.LISTENING, State.MUTED, State.ERROR) and self._turn is None and self._held is None \
+                and self._q.empty():
             self.idle.set()
         else:
             self.idle.clear()
@@ -175,6 +183,7 @@ class Conversation:
         self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
 
     def _on_error(self, info: dict) -> None:
+        self._held = None
         self._emit("error", **info)
         self._set(State.ERROR, info["t"], reason=info.get("reason", ""))
 
@@ -254,7 +263,7 @@ class Conversation:
                 self._resume(info["t"], reason="not speech", heard=self.turn_taker_hypothesis())
                 return
             self._flush(info["t"], reason="short interruption")
-            self._start_turn(info, audio, transcript)
+            self._hold(info, audio, transcript)
 
     def _on_vad_end(self, info: dict) -> None:
         audio = info.pop("audio", None)
@@ -266,11 +275,40 @@ class Conversation:
                 self._resume(info["t"], reason="backchannel", transcript=transcript, heard=self.turn_taker_hypothesis())
                 return
             self._flush(info["t"], reason="interruption")
+            self._hold(info, audio, transcript)
+            return
+        if self._held is not None and self.state == State.LISTENING:
+            audio, transcript = self._join_held(audio, transcript)
         if self.state == State.THINKING and self._turn is not None:
             # The user went on talking before we said anything: drop the unsaid reply, take the new words.
             self._abort_reply(info["t"], reason="user continued")
             self._set(State.LISTENING, info["t"])
         self._start_turn(info, audio, transcript)
+
+    def _on_vad_settled(self, info: dict) -> None:
+        """The user stopped talking after an interjection: a held stop word becomes the turn."""
+        if self._held is not None and self.state == State.LISTENING:
+            held_info, audio, transcript = self._held
+            self._held = None
+            self._emit("vad_settled", **info)
+            self._start_turn({**held_info, "t": info["t"]}, audio, transcript)
+
+    def _hold(self, info: dict, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
+        """Keep a flushing interjection ("Wait,") until the user stops or goes on ("… stop.")."""
+        self._held = (info, audio, transcript)
+        self._emit("held", t=info["t"], speech_ms=info.get("speech_ms"))
+
+    def _join_held(self, audio: Optional[np.ndarray], transcript: Optional[str]):
+        """The held interjection, a short gap, then the utterance that followed it: one turn."""
+        _, held_audio, held_transcript = self._held
+        self._held = None
+        if held_audio is not None and audio is not None:
+            audio = np.concatenate([held_audio, np.zeros(JOIN_GAP_SAMPLES, np.float32), audio])
+        if held_transcript and transcript and held_transcript != transcript:
+            transcript = f"{held_transcript} {transcript}"
+        else:
+            transcript = transcript or held_transcript
+        return audio, transcript
 
     def turn_taker_hypothesis(self) -> Optional[str]:
         """What the barge-in classifier heard last, if it says (for the timeline)."""
@@ -329,7 +367,8 @@ class Conversation:
 
     def _abort_reply(self, t: float, reason: str) -> None:
         """Stop the current reply wherever it is: drop unplayed audio, cancel generation, keep only the
-        text that reached the speaker in the history."""
+        text that reached the speaker in the history. A held interjection is dropped too."""
+        self._held = None
         if self._turn is None:
             return
         dropped = self.playback.flush()

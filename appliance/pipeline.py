@@ -134,14 +134,12 @@ class Listener:
                 self.post("vad_onset", audio_t=audio_t, prob=round(ev.prob, 3))
             elif ev.kind == "start":
                 self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
-            elif ev.kind == "reject":
+            elif ev.kind in ("reject", "end"):
                 transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
-                self.post("vad_reject", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
+                self.post(f"vad_{ev.kind}", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
                           transcript=transcript)
-            elif ev.kind == "end":
-                transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
-                self.post("vad_end", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
-                          transcript=transcript)
+            elif ev.kind == "settled":
+                self.post("vad_settled", audio_t=audio_t)
         if was_confirmed and self.segmenter.confirmed:
             self.post("vad_progress", speech_ms=self.segmenter.speech_ms)
 

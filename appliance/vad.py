@@ -97,7 +97,10 @@ class VadEvent:
     - ``"reject"``: the candidate ended before it was confirmed (a click, a bump, or a very short word such
       as "Stop."); ``audio`` holds the candidate (float32 mono 16 kHz) so that it can still be classified;
     - ``"end"``: end of turn, ``min_silence_ms`` of silence after confirmed speech; ``audio`` holds the
-      utterance, float32 mono 16 kHz, from the onset (plus a little lead-in) to the end of speech.
+      utterance, float32 mono 16 kHz, from the onset (plus a little lead-in) to the end of speech;
+    - ``"settled"``: ``min_silence_ms`` of silence after an interjection (an utterance that ended while
+      :attr:`VadSegmenter.interjecting`) and whatever followed it: the user has stopped talking. A stop
+      word that flushed a reply waits for this (or for the next ``"end"``) before it becomes a turn.
     ``t_sample`` is the index, in samples at 16 kHz since the stream started, of the window's first sample.
     """
 
@@ -126,7 +129,9 @@ class VadSegmenter:
     While :attr:`interjecting` is True (the appliance has paused its reply for the user's speech), an
     utterance ends after ``interjection_silence_ms`` of silence instead of ``min_silence_ms``, so that a
     backchannel is decided, and the reply resumed, within 400 ms of its end (200 ms of silence + at most one
-    32 ms window + the classifier).
+    32 ms window + the classifier). Such an early end may only be a pause ("Wait, … stop."), so
+    ``min_silence_ms`` after it (counted from the end of whatever speech follows), a ``"settled"`` event
+    says that the user has really stopped.
     """
 
     vad: SileroVad
@@ -159,6 +164,7 @@ class VadSegmenter:
         self._last_voice = 0
         self._utt: list[np.ndarray] = []
         self._history: list[np.ndarray] = []  # recent windows for lead-in
+        self._settle_from: Optional[int] = None  # end of the last speech after an interjection, samples
 
     def reset(self) -> None:
         for v in self._streams:
@@ -208,6 +214,9 @@ class VadSegmenter:
         hop_ms = len(new) * 1000.0 / SAMPLE_RATE
         events: list[VadEvent] = []
         if not self._in_speech:
+            if self._settle_from is not None and self._n - self._settle_from >= self.min_silence_ms * SAMPLE_RATE // 1000:
+                self._settle_from = None
+                events.append(VadEvent("settled", start, p))
             self._history.append(new)
             lead = max(1, int(self.lead_in_ms / hop_ms))
             del self._history[:-lead]
@@ -234,12 +243,19 @@ class VadSegmenter:
             audio = np.concatenate(self._utt[: max(1, keep)])
             kind = "end" if self._confirmed else "reject"
             events.append(VadEvent(kind, start, p, audio=audio, speech_ms=speech_ms))
+            self._after_speech()
             self._in_speech = self._confirmed = False
             self._utt, self._history = [], []
         elif not self._confirmed and silence_ms >= 96:
             # A candidate that fell silent before it was confirmed: not speech (a click, a knock), or a word
             # too short to confirm; the audio goes along for the barge-in classifier.
             events.append(VadEvent("reject", start, p, audio=np.concatenate(self._utt), speech_ms=speech_ms))
+            self._after_speech()
             self._in_speech = False
             self._utt, self._history = [], []
         return events
+
+    def _after_speech(self) -> None:
+        """An utterance or candidate ended: after an interjection, start (again) counting toward ``settled``."""
+        if self.interjecting or self._settle_from is not None:
+            self._settle_from = self._last_voice

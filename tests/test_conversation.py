@@ -139,8 +139,48 @@ def test_backchannel_resumes_but_stop_flushes(session):
     rec.wait_for(lambda rs: rec.states().count("interrupted") == 2)
     s.conversation.post("vad_end", speech_ms=400.0, audio=stop, transcript="Stop.")
     rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs))
-    # "Stop." is as short as "uh-huh" but is an interruption; it becomes the next user turn.
+    # "Stop." is as short as "uh-huh" but is an interruption; once the user has stopped talking
+    # (min_silence_ms after it: the VAD says ``settled``), it becomes the next user turn.
+    rec.wait_for(lambda rs: any(r["event"] == "held" for r in rs))
+    time.sleep(0.3)
+    assert rec.states().count("thinking") == 1  # held, not yet a turn
+    s.conversation.post("vad_settled")
     rec.wait_for(lambda rs: rec.states().count("thinking") == 2, timeout=60)
+
+
+def test_a_stop_word_and_what_follows_it_are_one_turn(session):
+    """"Wait," cut by the short interjection silence, then "… what about the moon?": one user turn with both."""
+    s, rec = session
+    from appliance.audio.files import resample
+    from appliance.conversation import JOIN_GAP_SAMPLES
+
+    submitted = []
+    submit = s.engine_worker.submit_turn
+
+    def spy(reply_id, audio, transcript):  # records what the engine is given, then gives it
+        submitted.append((audio, transcript))
+        return submit(reply_id, audio, transcript)
+
+    s.engine_worker.submit_turn = spy
+    wait = np.concatenate([np.zeros(3072, np.float32), resample(
+        np.concatenate(list(s.parts.tts.synthesize("Wait."))), s.parts.tts.sample_rate, 16000)])
+    rest = np.full(8000, 0.01, np.float32)
+    user_turn(s, "Tell me about the sea.")
+    rec.wait_state("speaking", timeout=60)
+    s.conversation.post("vad_onset")
+    rec.wait_state("interrupted")
+    s.conversation.post("vad_end", speech_ms=400.0, audio=wait, transcript="Wait,")
+    rec.wait_for(lambda rs: any(r["event"] == "held" for r in rs))
+    s.conversation.post("vad_onset")
+    s.conversation.post("vad_end", speech_ms=500.0, audio=rest, transcript="what about the moon?")
+    rec.wait_for(lambda rs: rec.states().count("thinking") == 2, timeout=60)
+    s.conversation.post("vad_settled")  # comes later, with nothing held: no third turn
+    time.sleep(0.3)
+    assert rec.states().count("thinking") == 2
+    audio, transcript = submitted[-1]
+    assert transcript == "Wait, what about the moon?"
+    assert len(audio) == len(wait) + JOIN_GAP_SAMPLES + len(rest)
+    assert np.array_equal(audio[:len(wait)], wait) and np.array_equal(audio[-len(rest):], rest)
 
 
 def test_mute_ignores_speech(session):
