@@ -9,7 +9,7 @@ clock, so every latency includes real compute.
 Suite (fixed): long barge-ins at three points of a reply and three user levels; echo only at 0 dB and +6 dB
 above the user's voice; non-speech sounds (door slam, clap, keyboard, bell, cough-like bursts, music);
 backchannels and short interruptions in three voices (Piper ``en_US-joe-medium``, espeak-ng ``en-us+f3``
-and ``en-gb+m3``). Speech is generated at bench time into a cache directory; the bell and the music come
+and ``en-gb+m3``), each short interruption once with the echo at 0 dB and once at +6 dB. Speech is generated at bench time into a cache directory; the bell and the music come
 from Debian's ``sound-theme-freedesktop`` when installed (else they are synthesised), the other noises are
 synthesised here.
 
@@ -50,7 +50,7 @@ FREEDESKTOP = Path("/usr/share/sounds/freedesktop/stereo")
 QUESTION = ("Tell me about rainbows and how they form.", "question")
 VOICES = ("joe", "en-us+f3", "en-gb+m3")
 BACKCHANNELS = ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]
-SHORT_STOPS = ["Stop.", "Wait.", "No."]
+SHORT_STOPS = ["Stop.", "Wait.", "No.", "Hold on."]
 LONG_INTERRUPTIONS = ["Wait, I want to ask you something else about the moon.",
                       "No, actually, tell me about the ocean instead please."]
 
@@ -195,8 +195,10 @@ def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
     for v in VOICES:
         for k, w in enumerate(BACKCHANNELS):
             cases.append(Case("backchannel", f"{v} {w}", cache.speech(w, v), w, 0.6 + 0.3 * (k % 3), 0.0))
-        for k, w in enumerate(SHORT_STOPS):
-            cases.append(Case("short_stop", f"{v} {w}", cache.speech(w, v), w, 0.6 + 0.3 * (k % 3), 0.0))
+        for k, w in enumerate(SHORT_STOPS):  # each twice: echo at 0 dB, then at +6 dB, at two points
+            for m, rel in enumerate((0.0, 6.0)):
+                cases.append(Case("short_stop", f"{v} {w} echo {rel:+.0f} dB", cache.speech(w, v), w,
+                                  0.6 + 0.3 * ((k + m) % 3), rel))
     if quick:
         keep = {"barge_in": 3, "echo_only": 2, "noise": 2, "backchannel": 3, "short_stop": 3}
         out, seen = [], {}
@@ -361,8 +363,13 @@ def pct(xs: list[float], q: float) -> float:
 def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     by = lambda k: [o for o in outcomes if o.case.kind == k and o.valid]  # noqa: E731
     barge = by("barge_in")
-    lat = [o.barge["output_silent_ms"] for o in barge + by("short_stop")
-           if o.barge and o.barge.get("output_silent_ms") is not None]
+    def silent_ms(os_: list[Outcome]) -> list[float]:
+        return [o.barge["output_silent_ms"] for o in os_ if o.barge and o.barge.get("output_silent_ms") is not None]
+
+    lat = silent_ms(barge + by("short_stop"))
+    parts = {"long_barge_in": silent_ms(barge)}
+    for rel in sorted({o.case.echo_rel_db for o in by("short_stop")}):
+        parts[f"short_stop_echo_{rel:+.0f}db"] = silent_ms([o for o in by("short_stop") if o.case.echo_rel_db == rel])
     echo_only = by("echo_only")
     bc, ss, noise = by("backchannel"), by("short_stop"), by("noise")
     num = sum(o.erle_num for o in outcomes)
@@ -371,6 +378,7 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     gaps = [o.resume_gap_ms for o in bc + noise if o.resumed and o.resume_gap_ms is not None]
     return {
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
+        "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
         "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
         "self_interrupts_echo": {"count": sum(1 for o in echo_only if o.interrupted), "n": len(echo_only),
                                  "echo_gain_db": max((o.case.echo_rel_db for o in echo_only), default=0.0),
