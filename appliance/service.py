@@ -228,6 +228,10 @@ class Service:
                     raise UserError("model.mmproj: a model that hears needs its audio projector; set model.mmproj")
                 if p and not Path(p).is_file():
                     raise UserError(f"{p}: model.{key} not found; check the path")
+        if new.interruption != old.interruption:
+            from .turns import turn_taker_from_config
+
+            out["turn_taker"] = turn_taker_from_config(new)  # loads PocketSphinx if it is newly needed
         if new.gpio != old.gpio:
             # The new pins may overlap the old ones: release the old devices first, and put them back if
             # the new ones cannot be had.
@@ -252,7 +256,9 @@ class Service:
                 v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s
             changed.append("vad")
         if new.interruption != old.interruption:
-            s.conversation.turn_taker.backchannel_max_ms = new.interruption.backchannel_max_ms
+            # Plain attribute swaps: the conversation and listener threads read them at their next event.
+            s.conversation.turn_taker = prepared["turn_taker"]
+            s.segmenter.interjection_silence_ms = new.interruption.interjection_silence_ms
             s.playback.fade_samples = max(1, int(s.playback.sample_rate * new.interruption.fade_ms / 1000.0))
             changed.append("interruption")
         if "tts" in prepared:

@@ -209,11 +209,15 @@ def test_reload_applies_vad_threshold_and_voice_without_losing_the_conversation(
         data = yaml.safe_load(cfg_path.read_text())
         data["vad"] = {"threshold": 0.7}
         data["voice"] = {"model": str(voice), "length_scale": 1.2}
+        data["interruption"] = {"classifier": "duration", "interjection_silence_ms": 300, "backchannel_max_ms": 900}
         cfg_path.write_text(yaml.safe_dump(data))
         assert svc.reload(cfg_path) is True
         assert svc.session.segmenter.threshold == 0.7
         assert svc.session.tts_worker.tts.model_path == voice
-        assert svc.reloads[-1]["changed"] == ["vad", "voice"]
+        assert svc.session.segmenter.interjection_silence_ms == 300
+        taker = svc.session.conversation.turn_taker
+        assert taker.classifier is None and taker.backchannel_max_ms == 900.0
+        assert svc.reloads[-1]["changed"] == ["vad", "interruption", "voice"]
         assert [(m.role, m.text) for m in svc.session.engine_worker.engine.history] == history
 
         data["vad"] = {"threshold": "high"}
