@@ -29,7 +29,16 @@ def _config(args: argparse.Namespace) -> Config:
         base = load(args.config) if args.config else Config()
         return embedded_config(base)
     path = Path(args.config) if args.config else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml"))
+    args.config_path = path
     return load(path)
+
+
+def _name_the_config(message: str, args: argparse.Namespace) -> str:
+    """The parts' errors say "set … in config.yaml": name the config file this command actually used."""
+    path = getattr(args, "config_path", None) or (Path(args.config) if getattr(args, "config", None) else None)
+    if path is None or str(path) == "config.yaml":
+        return message
+    return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -41,11 +50,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not cfg.model.mmproj:
         check_transcripts(scenario, args.input)
     out = Path(args.out)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{out}: cannot create the output directory ({exc.strerror}); give a writable --out DIR") from None
-    parts = Parts.load(cfg, persist=False)  # a replay is a simulation: it leaves the real history alone
+    try:
+        parts = Parts.load(cfg, persist=False)  # a replay is a simulation: it leaves the real history alone
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # a failed start leaves no empty output directory behind
+        raise
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
     report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines,
                     transcript=args.transcript)
@@ -101,7 +116,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         cfg = _config(args)
     except UserError:
         pass
-    print(describe_devices(cfg))
+    print(_name_the_config(describe_devices(cfg), args))
     return 0
 
 
@@ -244,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_name_the_config(str(exc), args)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

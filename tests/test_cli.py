@@ -137,3 +137,14 @@ def test_fast_replay_finishes_the_same_conversation(tmp_path):
     states = report["states"]
     assert states[:5] == ["listening", "thinking", "speaking", "interrupted", "listening"]
     assert states[-1] == "listening"
+
+
+def test_a_missing_model_names_the_config_file_given_and_leaves_no_empty_output(tmp_path):
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text("model:\n  gguf: /nonexistent/model.gguf\n  mmproj: /nonexistent/mmproj.gguf\n")
+    out = tmp_path / "out"
+    r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(out), "--fast", "--config", str(cfg))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/nonexistent/model.gguf" in lines[0] and str(cfg) in lines[0], r.stderr
+    assert not out.exists()

@@ -147,7 +147,8 @@ class Scenario:
                 raise UserError(f"{where}: `after:` must be speaking, thinking or listening, not {ev['after']!r}")
             for key in ("at", "delay", "gain_db"):
                 if key in ev and (not isinstance(ev[key], (int, float)) or isinstance(ev[key], bool)):
-                    raise UserError(f"{where}: `{key}` must be a number of seconds (or dB), not {ev[key]!r}")
+                    unit = "decibels" if key == "gain_db" else "seconds"
+                    raise UserError(f"{where}: `{key}` must be a number of {unit}, not {ev[key]!r}")
             if "at" in ev and ev["at"] < 0:
                 raise UserError(f"{where}: `at` must be >= 0 seconds")
             text = ev.get("text")
