@@ -10,8 +10,8 @@ first VAD onset pauses playback at once and enters ``interrupted``, then the tur
 interruption: the rest of the reply is dropped, generation cancelled, only the spoken text kept, and the
 new speech becomes the next user turn). A flushing interjection that the VAD cut after its short silence
 ("Wait," …) is held until the user has been quiet for ``min_silence_ms`` (``vad_settled``), and joined to
-what they say before that ("… stop."), so the turn is the whole utterance. ``muted`` ignores the microphone; ``error`` is a device or model
-failure.
+what they say before that ("… stop."), so the turn is the whole utterance. ``muted`` ignores the
+microphone; ``error`` is a device or model failure.
 """
 
 from __future__ import annotations

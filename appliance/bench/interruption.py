@@ -9,9 +9,10 @@ clock, so every latency includes real compute.
 Suite (fixed): long barge-ins at three points of a reply and three user levels; echo only at 0 dB and +6 dB
 above the user's voice; non-speech sounds (door slam, clap, keyboard, bell, cough-like bursts, music);
 backchannels and short interruptions in three voices (Piper ``en_US-joe-medium``, espeak-ng ``en-us+f3``
-and ``en-gb+m3``), each short interruption once with the echo at 0 dB and once at +6 dB. Speech is generated at bench time into a cache directory; the bell and the music come
-from Debian's ``sound-theme-freedesktop`` when installed (else they are synthesised), the other noises are
-synthesised here.
+and ``en-gb+m3``), each short interruption once with the echo at 0 dB and once at +6 dB. Speech is
+generated at bench time into a cache directory; the bell and the music come from Debian's
+``sound-theme-freedesktop`` when installed (else they are synthesised), the other noises are synthesised
+here.
 
 Ground truth: the room knows where each injected sound starts and ends (first/last sample above
 −40 dBFS); barge-in latency = the end of the output's last sample above −50 dBFS before the pause holds −
