@@ -52,6 +52,7 @@ QUESTION = ("Tell me about rainbows and how they form.", "question")
 VOICES = ("joe", "en-us+f3", "en-gb+m3")
 BACKCHANNELS = ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]
 SHORT_STOPS = ["Stop.", "Wait.", "No.", "Hold on."]
+ECHO_ONLY_RUNS = 5  # per echo level: a self-interrupt rate of a few percent showed in 1 of 20 extra runs
 LONG_INTERRUPTIONS = ["Wait, I want to ask you something else about the moon.",
                       "No, actually, tell me about the ocean instead please."]
 
@@ -189,7 +190,7 @@ def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
             cases.append(Case("barge_in", f"{voice} '{text[:18]}…' at +{p}s, user {lv:+.0f} dB",
                               cache.speech(text, voice) * 10 ** (lv / 20), text, p, 0.0, lv))
     for rel in (0.0, 6.0):
-        for k in range(1 if quick else 2):
+        for k in range(1 if quick else ECHO_ONLY_RUNS):
             cases.append(Case("echo_only", f"echo {rel:+.0f} dB #{k + 1}", None, None, 0.0, rel))
     for name in NOISES:
         cases.append(Case("noise", name, at_level(cache.noise(name), USER_DBFS), None, 0.8, 0.0))
