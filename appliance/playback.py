@@ -54,6 +54,10 @@ class Playback:
         self._flush_after_fade = False
         self._drained_sent = False
         self.played_total = 0  # samples of speech (non-silence) sent to the speaker since start
+        # Optional sound device with pause_output/resume_output/flush_output (DeviceAudio): its worker holds
+        # a ring of samples already read from here, so it pauses, fades and flushes there, and this buffer
+        # only keeps its place (see pause()).
+        self.device = None
 
     # --- producer side (TTS thread, state machine) ---
     def begin_reply(self, reply_id: int) -> None:
@@ -87,13 +91,21 @@ class Playback:
                     self._on_event("drained", reply_id=reply_id)
 
     def pause(self) -> None:
-        """Fade to silence within ``fade_ms`` and hold the position; nothing is thrown away."""
+        """Fade to silence within ``fade_ms`` and hold the position; nothing is thrown away.
+
+        With a :attr:`device`, the device fades and holds (the samples it already has are the next to
+        play), and this buffer goes on answering the reads that were already on their way, unfaded."""
+        if self.device is not None:
+            self.device.pause_output()
         with self._lock:
             self._paused = True
-            self._target = 0.0
+            if self.device is None:
+                self._target = 0.0
 
     def resume(self) -> None:
         """Continue exactly after the last sample played, fading in over ``fade_ms``."""
+        if self.device is not None:
+            self.device.resume_output()
         with self._lock:
             self._paused = False
             self._target = 1.0
@@ -106,7 +118,9 @@ class Playback:
         if audio is still audible. Returns the number of samples dropped."""
         with self._lock:
             dropped = sum(len(s.audio) - s.played for s in self._queue)
-            if self._gain > 0.0 and self._queue:
+            if self.device is not None:
+                self._queue.clear()
+            elif self._gain > 0.0 and self._queue:
                 self._flush_after_fade = True
                 self._target = 0.0
             else:
@@ -114,7 +128,14 @@ class Playback:
             self._ended = True
             self._reply_id = -1
             self._paused = False
-            return dropped
+        if self.device is not None:
+            # After the queue is empty: the device fades out, drops what it holds, and plays on from here.
+            self.device.flush_output()
+        return dropped
+
+    def device_silent(self) -> None:
+        """The device's fade out reached silence (from its reader thread)."""
+        self._on_event("silent")
 
     # --- accounting ---
     @property

@@ -137,6 +137,10 @@ class Service:
                                  self.session.playback.read, self.session.listener.capture, self._on_audio,
                                  backoff=(0.5, cfg.audio.retry_max_s))
         conv.turn_stats = self.audio.stats
+        # Pause and flush at the device: its worker's ring (2-8 output blocks) must not play after a barge-in.
+        self.audio.fade_ms = cfg.interruption.fade_ms
+        self.audio.on_silent = self.session.playback.device_silent
+        self.session.playback.device = self.audio
         self.status = "starting"
         self.ready_posted = False
         self.reloads: list[dict] = []

@@ -95,6 +95,96 @@ def test_streams_open_by_name_carry_audio_both_ways(user):
 
 
 @needs_jack
+def test_pause_holds_the_device_ring_and_resume_neither_drops_nor_repeats_a_sample(user):
+    """A pause fades out at the audio worker within fade_ms, so the 2-8 blocks its ring already holds do not
+    play after a barge-in; the resume plays them next. The signal is a ramp, so every unfaded sample the
+    ear hears names its own index."""
+    from appliance.playback import Playback
+
+    n = 3 * 16000
+    step = np.float32(0.8 / n)
+    ramp = (np.float32(0.1) + step * np.arange(n, dtype=np.float32)).astype(np.float32)
+    pb = Playback(16000, fade_ms=8.0)
+    pb.begin_reply(1)
+    pb.enqueue(1, ramp, "a ramp")
+    dev = DeviceAudio(None, "user", 10, 16000, pb.read, lambda m, f: None)
+    dev.fade_ms = 8.0
+    silent = threading.Event()
+    dev.on_silent = silent.set
+    pb.device = dev
+    dev.start()
+    try:
+        assert dev.wait_open(15)
+        assert jd.wait_for(lambda: len(user.heard()) > 0 and np.count_nonzero(user.heard()) > 8000, 15)
+        handed = pb.played_total  # samples read from the buffer when the pause comes
+        pb.pause()
+        assert silent.wait(2), "the worker never reported silence"
+        time.sleep(0.3)
+        pb.resume()
+        assert jd.wait_for(lambda: pb.pending_samples == 0, 15)
+        time.sleep(0.5)
+    finally:
+        dev.stop()
+    heard = user.heard()
+    idx = np.round((heard.astype(np.float64) - 0.1) / float(step)).astype(np.int64)
+    exact = (np.abs(heard) > 0) & (np.abs(ramp[np.clip(idx, 0, n - 1)] - heard) == 0) & (idx >= 0) & (idx < n)
+    # ... and its neighbour names the next or previous index (a faded sample may match some index by chance)
+    nxt = np.zeros_like(exact)
+    nxt[:-1] = exact[:-1] & exact[1:] & (np.diff(idx) == 1)
+    prv = np.zeros_like(exact)
+    prv[1:] = nxt[:-1]
+    k = np.flatnonzero(nxt | prv)
+    jumps = np.flatnonzero(np.diff(idx[k]) != 1)
+    assert len(jumps) == 1, f"expected one break (the pause), got {len(jumps)}"
+    before, after = k[jumps[0]], k[jumps[0] + 1]
+    last, first = idx[before], idx[after]
+    between = heard[before + 1:after]
+    faded = np.count_nonzero(between)
+    assert first - last - 1 == faded, (last, first, faded)  # every sample in between played once, faded
+    assert np.count_nonzero(between == 0) >= int(0.25 * 16000)  # and the pause was silent
+    assert 0 < faded <= 2 * 128 + 2  # a fade out and a fade in of 8 ms each at 16 kHz
+    held = handed - (last + 1 + 128)
+    print(f"held by the ring at the pause: {held} samples ({held / 16:.1f} ms)")
+    assert held > 0, f"the ring's samples played after the pause ({handed=}, {last=})"
+    assert idx[k[-1]] == n - 1  # the ramp played to its end
+
+
+@needs_jack
+def test_flush_after_a_pause_drops_what_the_device_held(user):
+    """A barge-in that flushes: after the pause's fade nothing of the reply plays again, neither the
+    worker's ring nor the samples the reader had resampled but not sent."""
+    from appliance.playback import Playback
+
+    tone = _sine(3.0, 440.0, 0.3)
+    pb = Playback(16000, fade_ms=8.0)
+    pb.begin_reply(1)
+    pb.enqueue(1, tone, "a tone")
+    dev = DeviceAudio(None, "user", 10, 16000, pb.read, lambda m, f: None)
+    silent = threading.Event()
+    dev.on_silent = silent.set
+    pb.device = dev
+    dev.start()
+    try:
+        assert dev.wait_open(15)
+        assert jd.wait_for(lambda: np.count_nonzero(user.heard()) > 8000, 15)
+        pb.pause()
+        assert silent.wait(2)
+        mark = len(user.heard())
+        time.sleep(0.3)  # paused for a while (the classifier decides), then the flush
+        pb.flush()
+        time.sleep(0.6)
+    finally:
+        dev.stop()
+    # The ear lags the worker by the server's buffering, so the pause's fade may still arrive after `mark`;
+    # from the first 200 ms of silence (the pause) on, nothing may play.
+    after = user.heard()[mark:]
+    quiet = np.convolve(np.abs(after) > 0, np.ones(3200), mode="valid") == 0
+    assert quiet.any(), "the pause never went silent"
+    rest = after[int(np.argmax(quiet)):]
+    assert len(rest) > 0.3 * 16000 and not np.any(rest), "audio of the flushed reply played again"
+
+
+@needs_jack
 def test_missing_device_names_found_devices_and_keeps_retrying():
     events = []
     dev = DeviceAudio("ReSpeaker", "system", 10, 48000, lambda n: np.zeros(n, np.float32), lambda m, f: None,

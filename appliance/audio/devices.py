@@ -19,8 +19,13 @@ Data path (one ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair, one message per block
   sent (silence, counted as ``late``, if the ring ran dry), then ask for as many samples as keep the ring
   at its target (``ring`` = 2 blocks to start; it grows by one block after a late block, up to 8). The
   service answers with ``read_output(n)`` (the playback buffer, resampled from its rate to the device's
-  with a streaming soxr resampler when they differ). A pause therefore takes effect after at most the ring
-  plus the device's own latency; :attr:`DeviceAudio.output_latency_ms` reports both.
+  with a streaming soxr resampler when they differ). :attr:`DeviceAudio.output_latency_ms` reports the
+  ring plus the device's own latency.
+- pause, resume, flush (service → worker, ``P``/``U``/``F``, sent by the playback buffer): the worker fades
+  out over ``fade_ms`` of what its ring holds and keeps the rest, so a barge-in is not delayed by the
+  ring; a resume fades back in from there (no sample dropped or repeated); a flush also drops the ring.
+  The worker says ``S`` when its fade reached silence. Measured here on the JACK dummy server: the ring
+  held 672 samples (42 ms at 16 kHz) at a pause, which used to play before the fade.
 
 Devices are chosen by a case-insensitive substring of their name (``audio.input``/``audio.output`` in
 config.yaml; ``default`` is PortAudio's default device), never by an index that changes between boots.
@@ -186,7 +191,10 @@ def _worker(fd: int, params: dict) -> int:
     in_block = max(16, int(round(in_rate * block_ms / 1000.0)))
     out_block = max(16, int(round(out_rate * block_ms / 1000.0)))
     ring: deque = deque()  # float32 arrays the service sent
-    state = {"queued": 0, "requested": 0, "target": RING_MIN_BLOCKS * out_block, "last_cb": 0.0, "n_out": 0}
+    state = {"queued": 0, "requested": 0, "target": RING_MIN_BLOCKS * out_block, "last_cb": 0.0, "n_out": 0,
+             # pause/flush at the device: "play", "fade" (fading out what the ring holds), "paused" (holding it)
+             "mode": "play", "gain": 1.0, "fade_left": 0, "flush": False}
+    fade_n = max(1, int(round(out_rate * float(params.get("fade_ms", 8.0)) / 1000.0)))
     lock = threading.Lock()
     hdr_i = struct.Struct("<I")
     hdr_o = struct.Struct("<II")
@@ -207,23 +215,42 @@ def _worker(fd: int, params: dict) -> int:
         flags = getattr(status, "_flags", 0)  # sounddevice.CallbackFlags keeps the PortAudio bits here
         out = outdata[:, 0]
         pos = 0
+        silent = False
         with lock:
-            while pos < frames and ring:
+            while pos < frames and ring and state["mode"] != "paused":
                 seg = ring[0]
                 take = min(frames - pos, len(seg))
-                out[pos:pos + take] = seg[:take]
+                if state["mode"] == "fade":
+                    take = min(take, state["fade_left"])
+                g = state["gain"]
+                if state["mode"] == "fade" or g < 1.0:  # a fade out (pause, flush) or back in (resume)
+                    # Out: fade_n steps that stop short of zero, so every sample taken is heard.
+                    step = -1.0 / (fade_n + 1) if state["mode"] == "fade" else 1.0 / fade_n
+                    ramp = np.clip(g + step * np.arange(1, take + 1, dtype=np.float32), 0.0, 1.0)
+                    out[pos:pos + take] = seg[:take] * ramp
+                    state["gain"] = float(ramp[-1]) if take else g
+                else:
+                    out[pos:pos + take] = seg[:take]
                 if take == len(seg):
                     ring.popleft()
                 else:
                     ring[0] = seg[take:]
                 pos += take
-            state["queued"] -= pos
+                state["queued"] -= take
+                if state["mode"] == "fade":
+                    state["fade_left"] -= take
+                    if state["fade_left"] <= 0:
+                        silent = True
+                        _faded_out(state, ring)
+            if state["mode"] == "fade" and not ring:  # nothing left to fade: silent at once
+                silent = True
+                _faded_out(state, ring)
             if pos < frames:
                 out[pos:] = 0.0
-                if state["n_out"] > 1:
+                if state["n_out"] > 1 and state["mode"] == "play" and not silent:
                     flags |= LATE
                     state["target"] = min(RING_MAX_BLOCKS * out_block, state["target"] + out_block)
-            want = state["target"] - state["queued"] - state["requested"]
+            want = state["target"] - state["queued"] - state["requested"] if state["mode"] == "play" else 0
             if want > 0:
                 state["requested"] += want
         if outdata.shape[1] > 1:
@@ -234,6 +261,11 @@ def _worker(fd: int, params: dict) -> int:
             except OSError:
                 with lock:
                     state["requested"] -= max(0, want)
+        if silent:
+            try:
+                rt.send(b"S")
+            except OSError:
+                pass
 
     try:
         istream = None
@@ -276,6 +308,9 @@ def _worker(fd: int, params: dict) -> int:
         if msg is not None:
             if not msg or msg[:1] == b"Q":
                 os._exit(0)  # the service went away or asked us to stop
+            if msg[:1] in (b"P", b"U", b"F"):
+                with lock:
+                    _control(state, ring, msg[:1], fade_n)
             if msg[:1] == b"D":
                 data = np.frombuffer(msg[1:], dtype=np.float32).copy()
                 with lock:
@@ -295,6 +330,36 @@ def _worker(fd: int, params: dict) -> int:
         if reason:
             send_json(b"L", {"reason": reason})
             os._exit(5)
+
+
+def _control(state: dict, ring: deque, cmd: bytes, fade_n: int) -> None:
+    """The worker's pause (``P``), resume (``U``) and flush (``F``), under its lock.
+
+    A pause fades out over ``fade_n`` samples of what the ring holds and keeps the rest for the resume,
+    which fades back in from there: the ring's 2–8 blocks are not played after a pause, and no sample is
+    dropped or repeated. A flush fades out the same way and then drops the ring.
+    """
+    mode = state["mode"]
+    if cmd == b"P" and mode == "play":
+        state["mode"], state["fade_left"], state["flush"] = "fade", fade_n, False
+    elif cmd == b"U" and mode in ("fade", "paused") and not state["flush"]:
+        state["mode"] = "play"  # gain < 1: the output callback ramps it back up
+    elif cmd == b"F":
+        if mode == "paused":
+            _faded_out(dict(state, flush=True), ring, state)
+        elif mode == "play":
+            state["mode"], state["fade_left"] = "fade", fade_n
+        state["flush"] = state["mode"] == "fade"
+
+
+def _faded_out(state: dict, ring: deque, into: Optional[dict] = None) -> None:
+    """A fade out reached silence: hold the ring (pause), or drop it and play on (flush)."""
+    target = state if into is None else into
+    if state["flush"]:
+        ring.clear()
+        target.update(mode="play", gain=1.0, queued=0, flush=False, fade_left=0)
+    else:
+        target.update(mode="paused", gain=0.0, fade_left=0)
 
 
 def _default_index(idx) -> Optional[int]:
@@ -468,6 +533,10 @@ class DeviceAudio:
         self._kick = threading.Event()
         self._sup: Optional[threading.Thread] = None
         self._turn_mark = dict(self.xruns)
+        self.fade_ms = 8.0  # the worker's fade on pause, resume and flush (interruption.fade_ms)
+        self.on_silent: Callable[[], None] = lambda: None  # the worker's fade out reached silence
+        self._paused = False  # the output is paused at the worker (kept across a worker restart)
+        self._drop_fifo = False
 
     # --- public ---
     @property
@@ -494,6 +563,32 @@ class DeviceAudio:
             self._turn_mark = dict(self.xruns)
         return {"xruns": sum(delta.values()), "xruns_by_kind": {k: v for k, v in delta.items() if v},
                 "output_latency_ms": self.output_latency_ms}
+
+    # --- pause, resume and flush at the device (the worker's ring) ---
+    def pause_output(self) -> None:
+        """Fade out within ``fade_ms`` at the worker and hold what its ring still has (2–8 blocks that
+        would otherwise play after the pause). Never blocks; a no-op while no worker runs."""
+        self._paused = True
+        self._send(b"P")
+
+    def resume_output(self) -> None:
+        """Fade back in where the pause stopped: the held samples first, none dropped or repeated."""
+        self._paused = False
+        self._send(b"U")
+
+    def flush_output(self) -> None:
+        """Fade out and drop what the worker and the reader hold (the rest of an interrupted reply)."""
+        self._paused = False
+        self._drop_fifo = True
+        self._send(b"F")
+
+    def _send(self, cmd: bytes) -> None:
+        link = self._link
+        if link is not None:
+            try:
+                link.sock.send(cmd)
+            except OSError:
+                pass  # the reader notices a dead worker
 
     def start(self) -> None:
         self._stop.clear()
@@ -561,7 +656,7 @@ class DeviceAudio:
         """Start a worker and wait for ``ready``. Returns None when open, else (reason, found devices)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         params = {"input": self.input_name, "output": self.output_name, "block_ms": self.block_ms,
-                  "stall_s": self.stall_s, "grace_s": self.grace_s}
+                  "stall_s": self.stall_s, "grace_s": self.grace_s, "fade_ms": self.fade_ms}
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "appliance.audio.devices", "--worker", str(child.fileno()), json.dumps(params)],
@@ -597,6 +692,8 @@ class DeviceAudio:
         link.thread = threading.Thread(target=self._reader, args=(link, pending), name="audio-reader", daemon=True)
         with self._lock:
             self._link = link
+        if self._paused:
+            self._send(b"P")  # a new worker starts playing: keep a pause that is on
         self.state = "open"
         self.opened += 1
         self.last_error = None
@@ -670,7 +767,12 @@ class DeviceAudio:
                 reason = "the audio worker exited"
                 break
             kind = msg[:1]
-            if kind == b"O":
+            if self._drop_fifo:
+                self._drop_fifo = False
+                fifo = fifo[:0]
+            if kind == b"S":
+                self.on_silent()
+            elif kind == b"O":
                 want, flags = hdr_o.unpack_from(msg, 1)
                 self._count(flags)
                 if want:
