@@ -27,9 +27,9 @@ def ctx(tmp_path_factory, parts, embedded_cfg):
 
 
 # The real-time scenarios depend on what the 270M model happens to say (its replies differ in length and
-# content from run to run, and with them the echo and where the interjection lands): each is retried once
+# content from run to run, and with them the echo and where the interjection lands): each is retried twice
 # (pytest-rerunfailures). A behaviour that is broken fails both runs; the benchmark counts every run.
-REALTIME = pytest.mark.flaky(reruns=1)
+REALTIME = pytest.mark.flaky(reruns=2)
 
 
 def run(ctx, parts, cfg, case, **kw):
@@ -73,7 +73,9 @@ def test_backchannel_resumes_without_replaying_or_skipping(ctx, parts, embedded_
     out = run(ctx, parts, embedded_cfg,
               bench.Case("backchannel", "uh-huh", cache.speech("Uh-huh.", "joe"), "Uh-huh.", 0.6, 0.0),
               wait_turn_end=True)
-    assert out.interrupted >= 1 and out.resumed and not out.flushed
+    after_reply = [f'{r["t"]:.2f} {r["event"]} {r.get("state") or r.get("reason") or ""}'.strip()
+                   for r in out.records if r["event"] not in ("user_speech", "vad_start")][5:]
+    assert out.interrupted >= 1 and out.resumed and not out.flushed, "; ".join(after_reply)[:600]
     assert out.resume_gap_ms is not None and out.resume_gap_ms <= 600  # target 400 (benchmark)
     # The reply played to its end: every sample of every clause once, none skipped, none twice.
     assert events(out, "turn_end") and not events(out, "turn_end")[0]["interrupted"]
