@@ -144,7 +144,5 @@ def test_a_missing_model_names_the_config_file_given_and_leaves_no_empty_output(
     cfg.write_text("model:\n  gguf: /nonexistent/model.gguf\n  mmproj: /nonexistent/mmproj.gguf\n")
     out = tmp_path / "out"
     r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(out), "--fast", "--config", str(cfg))
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "/nonexistent/model.gguf" in lines[0] and str(cfg) in lines[0], r.stderr
+    one_line_error(r, "/nonexistent/model.gguf", str(cfg))
     assert not out.exists()

@@ -68,6 +68,14 @@ def session(fresh_parts, embedded_cfg):
     s.stop()
 
 
+def interjection(s, text):
+    """Piper speech at 16 kHz with the VAD's 192 ms lead-in, as the listener hands an interjection over."""
+    from appliance.audio.files import resample
+
+    audio = resample(np.concatenate(list(s.parts.tts.synthesize(text))), s.parts.tts.sample_rate, 16000)
+    return np.concatenate([np.zeros(3072, np.float32), audio])
+
+
 def user_turn(s, text):
     s.conversation.post("vad_onset")
     s.conversation.post("vad_start", speech_ms=300.0)
@@ -122,13 +130,7 @@ def test_a_noise_while_speaking_resumes(session):
 def test_backchannel_resumes_but_stop_flushes(session):
     s, rec = session
     # The barge-in classifier hears the audio (PocketSphinx), so the interjections are real speech (Piper).
-    from appliance.audio.files import resample
-
-    def speech(text):  # with the VAD's 192 ms lead-in, as the listener hands it over
-        audio = resample(np.concatenate(list(s.parts.tts.synthesize(text))), s.parts.tts.sample_rate, 16000)
-        return np.concatenate([np.zeros(3072, np.float32), audio])
-
-    uh_huh, stop = speech("Uh-huh."), speech("Stop.")
+    uh_huh, stop = interjection(s, "Uh-huh."), interjection(s, "Stop.")
     user_turn(s, "Tell me about the sea.")
     rec.wait_state("speaking", timeout=60)
     s.conversation.post("vad_onset")
@@ -151,7 +153,6 @@ def test_backchannel_resumes_but_stop_flushes(session):
 def test_a_stop_word_and_what_follows_it_are_one_turn(session):
     """"Wait," cut by the short interjection silence, then "… what about the moon?": one user turn with both."""
     s, rec = session
-    from appliance.audio.files import resample
     from appliance.conversation import JOIN_GAP_SAMPLES
 
     submitted = []
@@ -162,8 +163,7 @@ def test_a_stop_word_and_what_follows_it_are_one_turn(session):
         return submit(reply_id, audio, transcript)
 
     s.engine_worker.submit_turn = spy
-    wait = np.concatenate([np.zeros(3072, np.float32), resample(
-        np.concatenate(list(s.parts.tts.synthesize("Wait."))), s.parts.tts.sample_rate, 16000)])
+    wait = interjection(s, "Wait.")
     rest = np.full(8000, 0.01, np.float32)
     user_turn(s, "Tell me about the sea.")
     rec.wait_state("speaking", timeout=60)

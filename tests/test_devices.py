@@ -94,25 +94,32 @@ def test_streams_open_by_name_carry_audio_both_ways(user):
     assert events[0][0] == "open"
 
 
-@needs_jack
-def test_pause_holds_the_device_ring_and_resume_neither_drops_nor_repeats_a_sample(user):
-    """A pause fades out at the audio worker within fade_ms, so the 2-8 blocks its ring already holds do not
-    play after a barge-in; the resume plays them next. The signal is a ramp, so every unfaded sample the
-    ear hears names its own index."""
+def _reply_through_device(audio):
+    """A one-clause reply (16 kHz) playing through the ``user`` device, the playback buffer wired to pause,
+    resume and flush at the device as the service wires it. Returns (playback, device, silent event)."""
     from appliance.playback import Playback
 
-    n = 3 * 16000
-    step = np.float32(0.8 / n)
-    ramp = (np.float32(0.1) + step * np.arange(n, dtype=np.float32)).astype(np.float32)
     pb = Playback(16000, fade_ms=8.0)
     pb.begin_reply(1)
-    pb.enqueue(1, ramp, "a ramp")
+    pb.enqueue(1, audio, "a reply")
     dev = DeviceAudio(None, "user", 10, 16000, pb.read, lambda m, f: None)
     dev.fade_ms = 8.0
     silent = threading.Event()
     dev.on_silent = silent.set
     pb.device = dev
     dev.start()
+    return pb, dev, silent
+
+
+@needs_jack
+def test_pause_holds_the_device_ring_and_resume_neither_drops_nor_repeats_a_sample(user):
+    """A pause fades out at the audio worker within fade_ms, so the 2-8 blocks its ring already holds do not
+    play after a barge-in; the resume plays them next. The signal is a ramp, so every unfaded sample the
+    ear hears names its own index."""
+    n = 3 * 16000
+    step = np.float32(0.8 / n)
+    ramp = (np.float32(0.1) + step * np.arange(n, dtype=np.float32)).astype(np.float32)
+    pb, dev, silent = _reply_through_device(ramp)
     try:
         assert dev.wait_open(15)
         assert jd.wait_for(lambda: len(user.heard()) > 0 and np.count_nonzero(user.heard()) > 8000, 15)
@@ -153,17 +160,7 @@ def test_pause_holds_the_device_ring_and_resume_neither_drops_nor_repeats_a_samp
 def test_flush_after_a_pause_drops_what_the_device_held(user):
     """A barge-in that flushes: after the pause's fade nothing of the reply plays again, neither the
     worker's ring nor the samples the reader had resampled but not sent."""
-    from appliance.playback import Playback
-
-    tone = _sine(3.0, 440.0, 0.3)
-    pb = Playback(16000, fade_ms=8.0)
-    pb.begin_reply(1)
-    pb.enqueue(1, tone, "a tone")
-    dev = DeviceAudio(None, "user", 10, 16000, pb.read, lambda m, f: None)
-    silent = threading.Event()
-    dev.on_silent = silent.set
-    pb.device = dev
-    dev.start()
+    pb, dev, silent = _reply_through_device(_sine(3.0, 440.0, 0.3))
     try:
         assert dev.wait_open(15)
         assert jd.wait_for(lambda: np.count_nonzero(user.heard()) > 8000, 15)

@@ -345,21 +345,20 @@ def _control(state: dict, ring: deque, cmd: bytes, fade_n: int) -> None:
     elif cmd == b"U" and mode in ("fade", "paused") and not state["flush"]:
         state["mode"] = "play"  # gain < 1: the output callback ramps it back up
     elif cmd == b"F":
-        if mode == "paused":
-            _faded_out(dict(state, flush=True), ring, state)
-        elif mode == "play":
+        if mode == "play":
             state["mode"], state["fade_left"] = "fade", fade_n
-        state["flush"] = state["mode"] == "fade"
+        state["flush"] = True
+        if mode == "paused":  # already silent: drop at once
+            _faded_out(state, ring)
 
 
-def _faded_out(state: dict, ring: deque, into: Optional[dict] = None) -> None:
+def _faded_out(state: dict, ring: deque) -> None:
     """A fade out reached silence: hold the ring (pause), or drop it and play on (flush)."""
-    target = state if into is None else into
     if state["flush"]:
         ring.clear()
-        target.update(mode="play", gain=1.0, queued=0, flush=False, fade_left=0)
+        state.update(mode="play", gain=1.0, queued=0, flush=False, fade_left=0)
     else:
-        target.update(mode="paused", gain=0.0, fade_left=0)
+        state.update(mode="paused", gain=0.0, fade_left=0)
 
 
 def _default_index(idx) -> Optional[int]:
