@@ -130,3 +130,40 @@ def test_onset_gate_needs_two_checks_just_under_the_threshold_and_is_stricter_wh
     assert ec.gate_threshold_db() == -10.0
     ec._lt_out = [0.5] * 200
     assert ec.gate_threshold_db() == -6.0
+
+
+def test_onset_gate_high_band_passes_a_consonant_but_not_a_quiet_band():
+    """The high-band test's rules on set frame energies: broadband far below the threshold throughout
+    (a fricative is quiet next to the echo's vowels), high band judged on its own."""
+    ec = EchoCanceller("speex", gate_db=-10.0)
+    # 2 s of far-end frames: broadband and high band both cancelled by 40 dB, high band at power 1e-2.
+    ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
+    ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [1e-6] * 200
+    assert ec.high_band_threshold_db() == -20.0
+
+    def frames(hb_ratio_db, hb_level_db, n=3):
+        for _ in range(n):
+            ec._ratio_in.append(1.0)
+            ec._ratio_out.append(10 ** (-35 / 10))
+            ec._ratio_far.append(1.0)
+            ec._hb_in.append(1e-2 * 10 ** (hb_level_db / 10))
+            ec._hb_out.append(ec._hb_in[-1] * 10 ** (hb_ratio_db / 10))
+            ec.frames += 1
+
+    frames(-40.0, 0.0)
+    assert not ec.near_end_present()  # cancelled echo in both bands
+    frames(-5.0, 3.0)
+    assert ec.near_end_present()  # the user's "s": the high band is full and mostly not echo
+    frames(-5.0, -25.0)
+    assert not ec.near_end_present()  # the same ratio over a nearly empty high band: the canceller, not a user
+    frames(-25.0, 0.0)
+    assert not ec.near_end_present()  # under the threshold
+    # A floor raised by what the canceller cannot remove (a speaker's distortion, noise) raises the threshold.
+    ec._lt_hb_out = [1e-4] * 200  # high-band floor -20 dB
+    assert ec.high_band_threshold_db() == float("inf")  # -20 + 15 = -5 dB > HB_MAX_DB: off
+    frames(-5.0, 3.0)
+    assert not ec.near_end_present()
+    ec._lt_hb_out = [10 ** -4.2] * 200  # floor -22 dB: threshold -7 dB
+    assert ec.high_band_threshold_db() == pytest.approx(-7.0)
+    frames(-5.0, 3.0)
+    assert ec.near_end_present()

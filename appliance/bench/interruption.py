@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..audio.echo import EchoCanceller, erle_db, from_config
+from ..audio.echo import HB_MIN_REL_DB, EchoCanceller, erle_db, from_config
 from ..audio.files import MODEL_RATE, first_above, load_audio, resample, write_wav
 from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
 from ..config import Config
@@ -244,6 +244,7 @@ class Outcome:
     verdicts: list = field(default_factory=list)  # the turn taker's (speech_ms, decision, heard) decisions
     gate_near_onset: list = field(default_factory=list)  # (ms after the onset, ratio dB, threshold dB) refused
     gate_headroom_db: Optional[float] = None  # min over echo-only windows the gate refused: threshold − ratio
+    gate_hb_headroom_db: Optional[float] = None  # ... the same for its high-band test, where its level allowed it
     segments: list = field(default_factory=list)  # (samples, played) per segment of the reply
     output: Optional[np.ndarray] = None
 
@@ -325,12 +326,17 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     if echo is not None and getattr(echo, "gate_log", None):
         # The onset gate's refusals: near the interjection's onset (ms after it), and the closest the echo
         # alone came to the threshold (headroom, dB) in the whole scenario.
-        refused = [((f - frame0) * 10.0, r, thr) for f, r, thr, ok in echo.gate_log if not ok]
+        refused = [((f - frame0) * 10.0, r, thr, hb, hb_thr, lv) for f, r, thr, ok, hb, hb_thr, lv in echo.gate_log
+                   if not ok]
         if speech:
             t_on = speech[0]["onset_t"] * 1000.0
-            out.gate_near_onset = [(round(t - t_on), r, thr) for t, r, thr in refused if -50 <= t - t_on <= 300]
-        early = [thr - r for t, r, thr in refused if not speech or t < speech[0]["onset_t"] * 1000.0 - 50]
-        out.gate_headroom_db = round(min(early), 1) if early else None
+            out.gate_near_onset = [(round(t - t_on), r, thr) for t, r, thr, *_ in refused if -50 <= t - t_on <= 300]
+        early = [g for g in refused if not speech or g[0] < speech[0]["onset_t"] * 1000.0 - 50]
+        out.gate_headroom_db = round(min(thr - r for _, r, thr, *_ in early), 1) if early else None
+        # The high-band test only counts over a high band at its usual level (see near_end_present).
+        hb_early = [hb_thr - hb for *_, hb, hb_thr, lv in early if hb is not None and lv is not None
+                    and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
+        out.gate_hb_headroom_db = round(min(hb_early), 1) if hb_early else None
     if case.kind == "barge_in" and out.valid and speech and not out.flushed:
         # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)
         drained = [r for r in recs if r["event"] == "turn_end" and not r.get("interrupted")]
@@ -392,6 +398,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         "resume_gap_ms": {"p50": pct(gaps, 50), "p95": pct(gaps, 95)},
         "onset_gate_min_headroom_db": min((o.gate_headroom_db for o in outcomes if o.gate_headroom_db is not None),
                                           default=None),
+        "onset_gate_high_band_min_headroom_db": min(
+            (o.gate_hb_headroom_db for o in outcomes if o.gate_hb_headroom_db is not None), default=None),
         "erle_db": round(10 * np.log10(max(num, 1e-20) / max(den, 1e-20)), 1) if den > 0 else None,
         "vad_ms_per_chunk": round(float(np.mean(vad)), 3) if vad else None,
         "classifier_ms_per_interjection": {"p50": pct(classifier_ms, 50), "p95": pct(classifier_ms, 95),
@@ -432,7 +440,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
         print_line(f"{c.kind:12} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} resumed={o.resumed} "
-                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db} verdicts={o.verdicts}"
+                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db} verdicts={o.verdicts}"
                    + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
     summary = summarise(outcomes, costs)
