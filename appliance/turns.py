@@ -97,8 +97,8 @@ DITHER_SEED = 0
 class KeywordClassifier:
     """Stop word or backchannel, from the audio, with PocketSphinx and a JSGF grammar.
 
-    Built lazily on first use (loading the acoustic model takes about 0.3 s, measured here) or by
-    :meth:`load`. Thread-safe (one decoder behind a lock). ``costs_ms`` keeps the compute time of every
+    Built lazily on first use (loading its two decoders takes about 0.6 s, measured here) or by
+    :meth:`load`. Thread-safe (the decoders behind one lock). ``costs_ms`` keeps the compute time of every
     call (measured here on x86_64: 5–30 ms per interjection of 0.3–1.5 s).
 
     :param max_s: only the first ``max_s`` seconds of an interjection are decoded (cost bound).
@@ -115,23 +115,26 @@ class KeywordClassifier:
     search ends on the silence path with no word at all. Leading and trailing silence is cut to 0.2 s
     first (:func:`trim_silence`).
 
-    Measured here on 216 interjections captured through the simulated room's echo path and the canceller
-    (3 voices, 5 backchannels, 3 stop words, 3 replies, 3 positions):
+    When the lattice's best path reaches no final state (it returns nothing), the same audio goes through
+    a second decoder with the same grammar that keeps the forward search's best hypothesis
+    (``bestpath=False``). Measured here on interjections captured offline through the simulated room's
+    echo path and the canceller (3 voices × 3 replies × 3 positions; 4 stop words, 5 backchannels; about
+    7 % came back empty from the lattice, mostly espeak-ng en-gb "Okay." and "Hold on."):
 
-    ============================================  ==================  ====================
-    decoder                                       stop words missed   backchannels flushed
-    ============================================  ==================  ====================
-    PocketSphinx's dither, with noise removal     3–4/81              5–9/135
-    no dither, no noise removal                   9/81                2/135
-    this one (4 dither seeds, ±2 LSB)             1/81                1–4/135 (seed 0: 4)
-    ============================================  ==================  ====================
+    ==================================  ====================  ======================
+    decoder                             stop words missed     backchannels flushed
+    ==================================  ====================  ======================
+    lattice only, echo 0 dB             5/108                 2/135
+    lattice only, echo +6 dB            5/108                 6/135
+    with the fallback, echo 0 dB        0/108                 2/135
+    with the fallback, echo +6 dB       2/108                 6/135
+    ==================================  ====================  ======================
 
-    With no dither, 3 of the 9 stop words missed came back when the forward search's hypothesis
-    (``bestpath=False``) replaced an empty lattice result; with this dither no stop word decoded as
-    nothing, so there is no such fallback.
-
-    The stop word still missed is Piper's "Stop." heard as "yep"; the backchannels flushed are mostly
-    Piper's "Uh-huh." heard as "no". Cost per interjection p50/p95 13/27 ms.
+    An earlier set (216 captures, 3 stop words, echo 0 dB) compared front ends: PocketSphinx's own dither
+    with noise removal missed 3–4/81 stop words and flushed 5–9/135 backchannels, depending on what it had
+    decoded before; no dither and no noise removal, 9/81 and 2/135; this dither, 1/81 and 1–4/135 over 4
+    seeds. The backchannels still flushed are Piper's "Uh-huh.", which its phone decoding hears as "oh",
+    "aw n" or "d eh p" and the grammar as "no". Cost per interjection p50/p95 13/27 ms.
     """
 
     EXTRA_WORDS = {"noiseword": "+NSN+", "speechword": "+SPN+", "mm-hmm": "M HH M", "ok": "OW K EY"}
@@ -140,6 +143,7 @@ class KeywordClassifier:
         self.max_s = max_s
         self.skip_s = skip_s
         self._decoder = None
+        self._fallback = None  # the same grammar, forward search only (see the class notes)
         self._lock = threading.Lock()
         self.costs_ms: list[float] = []
         self.last: Optional[str] = None  # the last hypothesis, for the timeline
@@ -147,7 +151,8 @@ class KeywordClassifier:
     def load(self) -> "KeywordClassifier":
         with self._lock:
             if self._decoder is None:
-                self._decoder = self._build()
+                self._decoder = self._build(bestpath=True)
+                self._fallback = self._build(bestpath=False)
         return self
 
     @staticmethod
@@ -158,7 +163,7 @@ class KeywordClassifier:
         return ("#JSGF V1.0;\ngrammar bargein;\npublic <utt> = <stop> | <back> | <other>;\n"
                 f"<stop> = {stop};\n<back> = {back};\n<other> = {other};\n")
 
-    def _build(self):
+    def _build(self, bestpath: bool):
         try:
             import pocketsphinx as ps
         except ImportError:
@@ -169,7 +174,7 @@ class KeywordClassifier:
         model = ps.get_model_path()
         ps.set_loglevel("FATAL")
         dec = ps.Decoder(hmm=os.path.join(model, "en-us", "en-us"), dict=os.path.join(model, "en-us", "cmudict-en-us.dict"),
-                         samprate=16000, loglevel="FATAL", dither=False)
+                         samprate=16000, loglevel="FATAL", dither=False, bestpath=bestpath)
         # The acoustic model's feat.params override these two at construction, hence the re-init.
         dec.config["remove_noise"] = False
         dec.config["cmn"] = "batch"
@@ -195,6 +200,8 @@ class KeywordClassifier:
         with self._lock:
             t0 = time.perf_counter()
             text = _decode(self._decoder, data)
+            if not text:  # the lattice reached no final state: take the forward search's best path
+                text = _decode(self._fallback, data)
             self.costs_ms.append((time.perf_counter() - t0) * 1000.0)
             if len(self.costs_ms) > 4096:
                 del self.costs_ms[:2048]
@@ -280,7 +287,7 @@ _shared_lock = threading.Lock()
 
 
 def shared_keyword_classifier() -> KeywordClassifier:
-    """One loaded :class:`KeywordClassifier` per process (loading takes about 0.3 s, measured here; it
+    """One loaded :class:`KeywordClassifier` per process (loading takes about 0.6 s, measured here; it
     must not happen during the first interjection)."""
     global _shared
     with _shared_lock:

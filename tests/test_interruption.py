@@ -7,10 +7,12 @@ user's voice). Latency bounds carry a margin over the benchmark's targets becaus
 (the benchmark, ``appliance bench interruption``, measures the real numbers).
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from appliance.audio.files import MODEL_RATE
+from appliance.audio.files import MODEL_RATE, load_audio
 from appliance.bench import interruption as bench
 from appliance import turns
 from appliance.turns import BargeInDecision, KeywordClassifier, TurnTaker
@@ -227,3 +229,17 @@ def test_keyword_classifier_verdict_does_not_depend_on_history(utterances):
     first = [clf.hypothesis(a) for _, _, _, a in utterances]
     again = [clf.hypothesis(a) for _, _, _, a in reversed(utterances)][::-1]
     assert first == again
+
+
+@pytest.mark.parametrize("name, want", [("engb_hold_on_echo0.wav", "hold on"), ("engb_no_echo6.wav", "no")])
+def test_keyword_classifier_falls_back_to_the_forward_search(name, want):
+    """Two interjections captured through the simulated room and the canceller (espeak-ng en-gb "Hold on."
+    under echo at 0 dB, "No." at +6 dB) on which the lattice's best path reaches no final state: the
+    forward search's hypothesis still hears the stop word."""
+    audio = load_audio(Path(__file__).parent / "fixtures" / "captured" / name)
+    clf = KeywordClassifier().load()
+    fallback = clf._fallback
+    clf._fallback = clf._decoder  # the lattice alone
+    assert clf.hypothesis(audio) == ""
+    clf._fallback = fallback
+    assert clf.classify(audio) == BargeInDecision.INTERRUPT and clf.last == want
