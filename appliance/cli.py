@@ -150,6 +150,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_out(args: argparse.Namespace) -> Optional[Path]:
+    """The bench's ``--json FILE``, checked before minutes of measuring: a file whose directory exists and
+    is writable. :raises UserError: otherwise."""
+    if not args.json:
+        return None
+    path = Path(args.json)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give --json a file name, e.g. {path / 'bench.json'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UserError(f"{path}: the directory {parent} does not exist; create it or give --json another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{path}: not writable; give --json a path you can write")
+    return path
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from .bench import engine as bench_engine
     from .pipeline import EMBEDDED_EXAMPLES, embedded_model_path
@@ -160,7 +176,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         model, examples = Path(_config(args).model.gguf), None
         if not model.is_file():
             raise UserError(f"{model}: model file not found; set model.gguf in config.yaml, or pass --embedded")
-    bench_engine.run(model, Path(args.json) if args.json else None, n_turns=args.turns, examples=examples,
+    bench_engine.run(model, _json_out(args), n_turns=args.turns, examples=examples,
                      n_threads=args.threads)
     return 0
 
@@ -170,8 +186,9 @@ def cmd_bench_interruption(args: argparse.Namespace) -> int:
     from .pipeline import Parts
 
     cfg = _config(args)
+    json_out = _json_out(args)
     parts = Parts.load(cfg, persist=False)
-    interruption.run(cfg, parts, Path(args.json) if args.json else None, Path(args.cache), quick=args.quick,
+    interruption.run(cfg, parts, json_out, Path(args.cache), quick=args.quick,
                      print_line=lambda s: print(s, flush=True))
     return 0
 

@@ -146,3 +146,12 @@ def test_a_missing_model_names_the_config_file_given_and_leaves_no_empty_output(
     r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(out), "--fast", "--config", str(cfg))
     one_line_error(r, "/nonexistent/model.gguf", str(cfg))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bench", ["interruption", "engine"])
+def test_bench_json_path_is_checked_before_measuring(tmp_path, bench):
+    """A bad --json path fails at once, not after minutes of measuring."""
+    r = appliance("bench", bench, "--embedded", "--json", str(tmp_path / "missing-dir" / "x.json"))
+    one_line_error(r, "missing-dir", "does not exist")
+    r = appliance("bench", bench, "--embedded", "--json", str(tmp_path))
+    one_line_error(r, str(tmp_path), "is a directory")
