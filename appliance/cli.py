@@ -41,6 +41,9 @@ def _name_the_config(message: str, args: argparse.Namespace) -> str:
     return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}")
 
 
+REPLAY_OUTPUTS = ("reply.wav", "timeline.jsonl", "report.json", "metrics.jsonl")
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from .pipeline import Parts
     from .replay import check_transcripts, load_input, replay
@@ -61,6 +64,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if created and not any(out.iterdir()):
             out.rmdir()  # a failed start leaves no empty output directory behind
         raise
+    for name in REPLAY_OUTPUTS:  # a replay into a used directory replaces the previous one's files, never mixes them
+        (out / name).unlink(missing_ok=True)
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
     report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines,
                     transcript=args.transcript)
@@ -101,10 +106,27 @@ def cmd_say(args: argparse.Namespace) -> int:
     return 0
 
 
+class _NameTheConfig(logging.Filter):
+    """Log records that say "set … in config.yaml" name the config file the service actually runs with."""
+
+    def __init__(self, args: argparse.Namespace):
+        super().__init__()
+        self._args = args
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        named = _name_the_config(message, self._args)
+        if named != message:
+            record.msg, record.args = named, ()
+        return True
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .audio.devices import run_service
 
     cfg = _config(args)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NameTheConfig(args))
     return run_service(cfg, config_path=None if args.embedded else args.config)
 
 
@@ -114,8 +136,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
     cfg = None
     try:
         cfg = _config(args)
-    except UserError:
-        pass
+    except UserError as exc:
+        print(f"warning: {_name_the_config(str(exc), args)} (listing the devices without it)", file=sys.stderr)
     print(_name_the_config(describe_devices(cfg), args))
     return 0
 
@@ -132,7 +154,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
     checks = doctor.run(args.config, embedded=args.embedded, checksums=args.checksums, capture_s=args.capture_s)
-    print(doctor.to_json(checks) if args.json else doctor.format_table(checks))
+    if args.config:
+        args.config_path = Path(args.config)
+    print(_name_the_config(doctor.to_json(checks) if args.json else doctor.format_table(checks), args))
     return doctor.exit_status(checks)
 
 

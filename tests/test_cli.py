@@ -155,3 +155,39 @@ def test_bench_json_path_is_checked_before_measuring(tmp_path, bench):
     one_line_error(r, "missing-dir", "does not exist")
     r = appliance("bench", bench, "--embedded", "--json", str(tmp_path))
     one_line_error(r, str(tmp_path), "is a directory")
+
+
+def test_devices_and_doctor_name_the_config_file_given(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("vad:\n  threshold: [1\n")
+    r = appliance("devices", "--config", str(broken))
+    assert r.returncode == 0 and "Traceback" not in r.stderr  # a listing still lists ...
+    assert r.stderr.startswith("warning: ") and str(broken) in r.stderr  # ... but says the config is broken
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("model:\n  gguf: /nonexistent/model.gguf\n")
+    r = appliance("doctor", "--config", str(mine))
+    assert f"set model.gguf in {mine}" in r.stdout and "in config.yaml" not in r.stdout
+
+
+def test_a_replay_stopped_halfway_leaves_no_files_of_an_earlier_run(tmp_path):
+    """Found by a fresh user: Ctrl-C during a replay into a used directory left the new partial timeline
+    next to the previous run's reply.wav and report.json."""
+    import signal
+    import time
+
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("reply.wav", "report.json"):
+        (out / name).write_text("from an earlier run\n")
+    p = subprocess.Popen([sys.executable, "-m", "appliance", "replay", str(DEMO / "barge-in.yaml"), "--out", str(out),
+                          "--embedded", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        if (out / "timeline.jsonl").exists() and (out / "timeline.jsonl").stat().st_size > 0:
+            break
+        time.sleep(0.1)
+    assert p.poll() is None, "the replay ended before it could be stopped"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert "Traceback" not in err
+    assert not (out / "reply.wav").exists() and not (out / "report.json").exists()

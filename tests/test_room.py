@@ -1,5 +1,7 @@
 """The simulated room: echo path (delay + impulse response + gain), near-end ground truth, scenario keys."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -74,4 +76,18 @@ def test_scenario_room_keys(tmp_path):
         Scenario.load(p)
     p.write_text(base + "room:\n  reverb: 3\n")
     with pytest.raises(UserError, match="unknown key"):
+        Scenario.load(p)
+
+
+@pytest.mark.parametrize("room, event, needle", [
+    ("  echo_delay_ms: -30\n", "", "room.echo_delay_ms must be between 0 and 2000 ms"),
+    ("  rt60_ms: 0\n", "", "room.rt60_ms must be between 1 and 2000 ms"),
+    ("  echo_gain_db: 0\n", "    delay: -1\n", "`delay` must be >= 0 seconds"),
+])
+def test_scenario_values_out_of_range_are_user_errors(tmp_path, room, event, needle):
+    """Found by a fresh user: a negative echo delay crashed the room, a negative delay ran anyway."""
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
+    p = tmp_path / "a.yaml"
+    p.write_text("events:\n  - after: speaking\n    say: q.wav\n" + event + "room:\n" + room)
+    with pytest.raises(UserError, match=re.escape(needle)):
         Scenario.load(p)

@@ -149,8 +149,9 @@ class Scenario:
                 if key in ev and (not isinstance(ev[key], (int, float)) or isinstance(ev[key], bool)):
                     unit = "decibels" if key == "gain_db" else "seconds"
                     raise UserError(f"{where}: `{key}` must be a number of {unit}, not {ev[key]!r}")
-            if "at" in ev and ev["at"] < 0:
-                raise UserError(f"{where}: `at` must be >= 0 seconds")
+            for key in ("at", "delay"):
+                if key in ev and ev[key] < 0:
+                    raise UserError(f"{where}: `{key}` must be >= 0 seconds, not {ev[key]!r}")
             text = ev.get("text")
             if text is not None and not isinstance(text, str):
                 raise UserError(f"{where}: `text` must be a string (the transcript)")
@@ -168,6 +169,9 @@ class Scenario:
         for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db", "rt60_ms"):
             if key in r and (not isinstance(r[key], (int, float)) or isinstance(r[key], bool)):
                 raise UserError(f"{path}: room.{key} must be a number, not {r[key]!r}")
+        for key, low, top in (("echo_delay_ms", 0.0, 2000.0), ("rt60_ms", 1.0, 2000.0)):
+            if key in r and not low <= r[key] <= top:
+                raise UserError(f"{path}: room.{key} must be between {low:.0f} and {top:.0f} ms, not {r[key]!r}")
         if "echo_gain_db" in r:
             room.echo_gain_db = float(r["echo_gain_db"])
         room.echo_delay_ms = float(r.get("echo_delay_ms", 30.0))
