@@ -82,6 +82,15 @@ def user_turn(s, text):
     s.conversation.post("vad_end", speech_ms=900.0, audio=np.zeros(16000, np.float32), transcript=text)
 
 
+def interrupt_the_reply(s, rec, question, after_s=0.0):
+    """Ask ``question``, let the reply play for ``after_s`` seconds, then a VAD onset pauses it."""
+    user_turn(s, question)
+    rec.wait_state("speaking", timeout=60)
+    time.sleep(after_s)
+    s.conversation.post("vad_onset")
+    rec.wait_state("interrupted")
+
+
 def test_a_turn_goes_listening_thinking_speaking_listening(session):
     s, rec = session
     user_turn(s, "What is a rainbow?")
@@ -98,11 +107,7 @@ def test_a_turn_goes_listening_thinking_speaking_listening(session):
 
 def test_barge_in_pauses_then_flushes_and_keeps_only_spoken_text(session):
     s, rec = session
-    user_turn(s, "Tell me about rainbows.")
-    rec.wait_state("speaking", timeout=60)
-    time.sleep(0.4)
-    s.conversation.post("vad_onset")
-    rec.wait_state("interrupted")
+    interrupt_the_reply(s, rec, "Tell me about rainbows.", after_s=0.4)
     assert s.playback.paused
     s.conversation.post("vad_progress", speech_ms=800.0)  # longer than backchannel_max_ms: an interruption
     rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs))
@@ -116,11 +121,7 @@ def test_barge_in_pauses_then_flushes_and_keeps_only_spoken_text(session):
 
 def test_a_noise_while_speaking_resumes(session):
     s, rec = session
-    user_turn(s, "Tell me about the sea.")
-    rec.wait_state("speaking", timeout=60)
-    time.sleep(0.2)
-    s.conversation.post("vad_onset")
-    rec.wait_state("interrupted")
+    interrupt_the_reply(s, rec, "Tell me about the sea.", after_s=0.2)
     s.conversation.post("vad_reject", speech_ms=64.0)
     rec.wait_for(lambda rs: any(r["event"] == "resumed" for r in rs))
     assert rec.states()[-2:] == ["interrupted", "speaking"]
@@ -131,10 +132,7 @@ def test_backchannel_resumes_but_stop_flushes(session):
     s, rec = session
     # The barge-in classifier hears the audio (PocketSphinx), so the interjections are real speech (Piper).
     uh_huh, stop = interjection(s, "Uh-huh."), interjection(s, "Stop.")
-    user_turn(s, "Tell me about the sea.")
-    rec.wait_state("speaking", timeout=60)
-    s.conversation.post("vad_onset")
-    rec.wait_state("interrupted")
+    interrupt_the_reply(s, rec, "Tell me about the sea.")
     s.conversation.post("vad_end", speech_ms=400.0, audio=uh_huh, transcript="uh-huh")
     rec.wait_for(lambda rs: any(r["event"] == "resumed" for r in rs))
     s.conversation.post("vad_onset")
@@ -165,10 +163,7 @@ def test_a_stop_word_and_what_follows_it_are_one_turn(session):
     s.engine_worker.submit_turn = spy
     wait = interjection(s, "Wait.")
     rest = np.full(8000, 0.01, np.float32)
-    user_turn(s, "Tell me about the sea.")
-    rec.wait_state("speaking", timeout=60)
-    s.conversation.post("vad_onset")
-    rec.wait_state("interrupted")
+    interrupt_the_reply(s, rec, "Tell me about the sea.")
     s.conversation.post("vad_end", speech_ms=400.0, audio=wait, transcript="Wait,")
     rec.wait_for(lambda rs: any(r["event"] == "held" for r in rs))
     s.conversation.post("vad_onset")
