@@ -154,8 +154,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
     checks = doctor.run(args.config, embedded=args.embedded, checksums=args.checksums, capture_s=args.capture_s)
-    if args.config:
-        args.config_path = Path(args.config)
     print(_name_the_config(doctor.to_json(checks) if args.json else doctor.format_table(checks), args))
     return doctor.exit_status(checks)
 

@@ -221,16 +221,12 @@ class EchoCanceller:
         if not self._ratio_in:
             return None
         k = max(1, n // FRAME)
-        e_in = sum(self._ratio_in[-k:])
-        e_out = sum(self._ratio_out[-k:])
-        return 10.0 * np.log10((e_out + 1e-12) / (e_in + 1e-12))
+        return _ratio_db(sum(self._ratio_out[-k:]), sum(self._ratio_in[-k:]))
 
     def echo_floor_db(self) -> Optional[float]:
         """Output-to-input energy ratio over the last 2 s of frames with the far end active, dB: about
         −ERLE (the canceller's current performance; double talk only raises it). None before 0.5 s of it."""
-        if len(self._lt_in) < LT_FRAMES // 4:
-            return None
-        return 10.0 * np.log10((sum(self._lt_out) + 1e-12) / (sum(self._lt_in) + 1e-12))
+        return _floor_db(self._lt_out, self._lt_in)
 
     def gate_threshold_db(self) -> float:
         """The onset gate's threshold, dB: ``gate_db``, raised to ``echo_floor_db() + gate_margin_db`` while
@@ -250,7 +246,7 @@ class EchoCanceller:
         e_in = sum(self._hb_in[-k:])
         if e_in < HB_MIN_POWER * k * FRAME:
             return None
-        return 10.0 * np.log10((sum(self._hb_out[-k:]) + 1e-12) / (e_in + 1e-12))
+        return _ratio_db(sum(self._hb_out[-k:]), e_in)
 
     def high_band_level_db(self, n: int = 512) -> Optional[float]:
         """The microphone's high-band power over the last ``n`` samples relative to its mean over the last
@@ -268,9 +264,9 @@ class EchoCanceller:
         a speaker's harmonic distortion or the room's noise, which the canceller cannot remove, raise the
         floor and so the threshold. Above ``HB_MAX_DB``, and before 0.5 s of far-end frames, the high band
         cannot be trusted and the test is off (``inf``)."""
-        if len(self._lt_hb_in) < LT_FRAMES // 4:
+        floor = _floor_db(self._lt_hb_out, self._lt_hb_in)
+        if floor is None:
             return float("inf")
-        floor = 10.0 * np.log10((sum(self._lt_hb_out) + 1e-12) / (sum(self._lt_hb_in) + 1e-12))
         threshold = max(HB_GATE_DB, floor + HB_MARGIN_DB)
         return float(threshold) if threshold <= HB_MAX_DB else float("inf")
 
@@ -324,6 +320,18 @@ class EchoCanceller:
     def ms_per_frame(self) -> Optional[float]:
         """Mean compute time per 10 ms frame, ms (measured here), or None before any frame."""
         return self.busy_s * 1000.0 / self.frames if self.frames else None
+
+
+def _ratio_db(e_out: float, e_in: float) -> float:
+    """Output-to-input energy ratio, dB (−ERLE on echo alone)."""
+    return float(10.0 * np.log10((e_out + 1e-12) / (e_in + 1e-12)))
+
+
+def _floor_db(lt_out: list, lt_in: list) -> Optional[float]:
+    """The echo floor: :func:`_ratio_db` over the far-end frames kept (the last 2 s), None before 0.5 s."""
+    if len(lt_in) < LT_FRAMES // 4:
+        return None
+    return _ratio_db(sum(lt_out), sum(lt_in))
 
 
 def _high_band_energy(frames: np.ndarray) -> np.ndarray:
