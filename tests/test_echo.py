@@ -121,8 +121,10 @@ def test_onset_gate_needs_two_checks_just_under_the_threshold_and_is_stricter_wh
     assert not ec.near_end_present()  # echo alone
     frames(-14.0, n=2)
     assert not ec.near_end_present()  # the previous check was not within 10 dB: refused
-    frames(-30.0, n=10, far=0.0)
-    assert ec.near_end_present()  # the far end is silent: nothing to gate
+    frames(-30.0, n=20, far=0.0)
+    assert not ec.near_end_present()  # the far end went silent 200 ms ago: its echo may still ring
+    frames(-30.0, n=5, far=0.0)
+    assert ec.near_end_present()  # silent for the echo tail (200 ms) and the window: nothing to gate
 
     # Converged (ERLE ~30 dB over 2 s of far-end frames): the threshold is gate_db; unconverged
     # (ERLE ~3 dB): raised to the echo floor + 12 dB, at most -6 dB.
@@ -136,9 +138,9 @@ def test_onset_gate_high_band_passes_a_consonant_but_not_a_quiet_band():
     """The high-band test's rules on set frame energies: broadband far below the threshold throughout
     (a fricative is quiet next to the echo's vowels), high band judged on its own."""
     ec = EchoCanceller("speex", gate_db=-10.0)
-    # 2 s of far-end frames: broadband and high band both cancelled by 40 dB, high band at power 1e-2.
+    # 2 s of far-end frames: broadband cancelled by 40 dB, high band at power 1e-2.
     ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
-    ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [1e-6] * 200
+    ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200  # high band cancelled by 45 dB
     assert ec.high_band_threshold_db() == -20.0
 
     def frames(hb_ratio_db, hb_level_db, n=3):
@@ -159,11 +161,67 @@ def test_onset_gate_high_band_passes_a_consonant_but_not_a_quiet_band():
     frames(-25.0, 0.0)
     assert not ec.near_end_present()  # under the threshold
     # A floor raised by what the canceller cannot remove (a speaker's distortion, noise) raises the threshold.
-    ec._lt_hb_out = [1e-4] * 200  # high-band floor -20 dB
-    assert ec.high_band_threshold_db() == float("inf")  # -20 + 15 = -5 dB > HB_MAX_DB: off
+    ec._lt_hb_out = [10 ** -4.7] * 200  # high-band floor -27 dB
+    assert ec.high_band_threshold_db() == float("inf")  # -27 + 22 = -5 dB > HB_MAX_DB: off
     frames(-5.0, 3.0)
     assert not ec.near_end_present()
-    ec._lt_hb_out = [10 ** -4.2] * 200  # floor -22 dB: threshold -7 dB
-    assert ec.high_band_threshold_db() == pytest.approx(-7.0)
+    ec._lt_hb_out = [10 ** -5.0] * 200  # floor -30 dB: threshold -8 dB
+    assert ec.high_band_threshold_db() == pytest.approx(-8.0)
     frames(-5.0, 3.0)
     assert ec.near_end_present()
+
+
+def test_a_users_onset_does_not_raise_the_gate_it_must_pass(far_end):
+    """The echo floors behind both thresholds come from the last 2 s of far-end frames, which include the
+    user's first frames as soon as they talk over the reply. 80 ms of a fricative-like hiss (noise above
+    2 kHz at the user's level, under echo 6 dB louder) must leave both thresholds where the echo alone put
+    them; before the floors left out the newest 300 ms, the high-band one rose by 13 dB within 30 ms of such
+    an onset."""
+    mic, _ = through_room(far_end, 6.0)
+    rng = np.random.default_rng(3)
+    hiss = np.fft.irfft(np.fft.rfft(rng.standard_normal(1280)) * (np.fft.rfftfreq(1280, 1 / 16000) >= 2500))
+    hiss *= 10 ** (-26.0 / 20) / np.sqrt(np.mean(hiss ** 2))
+    at = 4 * 16000
+    mixed = mic.copy()
+    mixed[at : at + len(hiss)] += hiss.astype(np.float32)
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    for i in range(0, at, FRAME):
+        ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
+    before = ec.gate_threshold_db(), ec.high_band_threshold_db()
+    assert before[0] == -10.0 and before[1] < -6.0  # converged: both tests on
+    passed = []
+    for i in range(at, at + len(hiss), FRAME):
+        ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
+        # (the oldest frames leave the 2 s as the echo goes on: a few hundredths of a dB)
+        assert (ec.gate_threshold_db(), ec.high_band_threshold_db()) == pytest.approx(before, abs=0.5)
+        passed.append(ec.near_end_present())
+    assert any(passed)  # and the hiss itself passes the high-band test
+
+
+def test_strict_near_end_test_needs_both_bands_and_a_far_end():
+    """near_end_clear (behind the VAD's early onsets) on set frame energies: both bands must pass at once,
+    the broadband one without its soft second chance, and only while the far end plays."""
+    ec = EchoCanceller("speex", gate_db=-10.0)
+    ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
+    ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200
+
+    def frames(bb_db, hb_db, far=1.0, n=3):
+        for _ in range(n):
+            ec._ratio_in.append(1.0)
+            ec._ratio_out.append(10 ** (bb_db / 10))
+            ec._ratio_far.append(far)
+            ec._hb_in.append(1e-2)
+            ec._hb_out.append(1e-2 * 10 ** (hb_db / 10))
+            ec.frames += 1
+
+    frames(-5.0, -5.0)
+    assert ec.near_end_clear() and ec.near_end_present()
+    frames(-25.0, -5.0)
+    assert not ec.near_end_clear() and ec.near_end_present()  # the high band alone: the gate, not the strict test
+    frames(-5.0, -30.0)
+    assert not ec.near_end_clear() and ec.near_end_present()  # broadband alone
+    frames(-14.0, -5.0, n=2)
+    frames(-14.0, -5.0, n=2)
+    assert not ec.near_end_clear()  # a soft broadband pass does not count
+    frames(-5.0, -5.0, far=0.0, n=25)
+    assert not ec.near_end_clear() and ec.near_end_present()  # no far end: nothing to tell the user from
