@@ -214,7 +214,7 @@ class Timeline:
     def __call__(self, record: dict) -> None:
         with self._lock:
             self.records.append(record)
-            line = json.dumps(record, default=_jsonable)
+            line = json.dumps(record, default=jsonable)
             if self._fh:
                 self._fh.write(line + "\n")
                 self._fh.flush()
@@ -226,7 +226,7 @@ class Timeline:
             self._fh.close()
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, (np.floating, np.integer)):
         return x.item()
     return str(x)
@@ -286,6 +286,8 @@ class Session:
             echo = from_config(cfg)
         if echo is not None and hasattr(echo, "near_end_present"):
             self.segmenter.onset_gate = echo.near_end_present  # an onset must not be mostly our own echo
+        if echo is not None and hasattr(echo, "near_end_clear"):
+            self.segmenter.onset_evidence = echo.near_end_clear  # ... and is surely the user: onset at 0.2
         self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
         self.conversation.subscribe(self._on_state)
 

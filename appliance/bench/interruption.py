@@ -41,7 +41,7 @@ from ..audio.files import MODEL_RATE, first_above, load_audio, resample, write_w
 from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
 from ..config import Config
 from ..errors import UserError
-from ..pipeline import Parts, Session, Timeline
+from ..pipeline import Parts, Session, Timeline, jsonable
 from ..replay import audible_until_ms, barge_ins
 
 USER_DBFS = -26.0  # the user's active speech level at the microphone (RMS over samples above -50 dBFS)
@@ -245,6 +245,8 @@ class Outcome:
     gate_near_onset: list = field(default_factory=list)  # (ms after the onset, ratio dB, threshold dB) refused
     gate_headroom_db: Optional[float] = None  # min over echo-only windows the gate refused: threshold − ratio
     gate_hb_headroom_db: Optional[float] = None  # ... the same for its high-band test, where its level allowed it
+    gate_both_headroom_db: Optional[float] = None  # ... for the early-onset test (both bands at once)
+    early_onsets: int = 0  # candidates started below Silero's threshold on the strict near-end test
     segments: list = field(default_factory=list)  # (samples, played) per segment of the reply
     output: Optional[np.ndarray] = None
 
@@ -302,7 +304,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     output = room.output_audio()
     out = Outcome(case, recs, valid=True, vad_ms=list(session.segmenter.infer_ms),
                   segments=session.playback.segments_played(), output=output, gated=session.segmenter.gated,
-                  verdicts=list(session.conversation.turn_taker.verdicts))
+                  verdicts=list(session.conversation.turn_taker.verdicts), early_onsets=session.segmenter.early_onsets)
     speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
     states = [r for r in recs if r["event"] == "state"]
     if case.audio is not None:
@@ -337,6 +339,12 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
         hb_early = [hb_thr - hb for *_, hb, hb_thr, lv in early if hb is not None and lv is not None
                     and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
         out.gate_hb_headroom_db = round(min(hb_early), 1) if hb_early else None
+        # The strict test behind early onsets (near_end_clear) needs both bands: how far the echo alone came
+        # from passing both, where the high band's level let it count at all.
+        both = [max(thr - r, hb_thr - hb) for f, r, thr, ok, hb, hb_thr, lv in echo.clear_log
+                if (not speech or (f - frame0) * 10.0 < speech[0]["onset_t"] * 1000.0 - 50) and hb is not None
+                and lv is not None and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
+        out.gate_both_headroom_db = round(min(both), 1) if both else None
     if case.kind == "barge_in" and out.valid and speech and not out.flushed:
         # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)
         drained = [r for r in recs if r["event"] == "turn_end" and not r.get("interrupted")]
@@ -400,6 +408,10 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
                                           default=None),
         "onset_gate_high_band_min_headroom_db": min(
             (o.gate_hb_headroom_db for o in outcomes if o.gate_hb_headroom_db is not None), default=None),
+        "onset_early_min_headroom_db": min(
+            (o.gate_both_headroom_db for o in outcomes if o.gate_both_headroom_db is not None), default=None),
+        "early_onsets": {"count": sum(o.early_onsets for o in outcomes),
+                         "barge_in": sum(o.early_onsets for o in barge + ss)},
         "erle_db": round(10 * np.log10(max(num, 1e-20) / max(den, 1e-20)), 1) if den > 0 else None,
         "vad_ms_per_chunk": round(float(np.mean(vad)), 3) if vad else None,
         "classifier_ms_per_interjection": {"p50": pct(classifier_ms, 50), "p95": pct(classifier_ms, 95),
@@ -440,7 +452,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
         print_line(f"{c.kind:12} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} resumed={o.resumed} "
-                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db} verdicts={o.verdicts}"
+                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
                    + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
     summary = summarise(outcomes, costs)
@@ -448,7 +460,9 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
                          "classifier": cfg.interruption.classifier, "user_dbfs": USER_DBFS,
                          "echo_delay_ms": ECHO_DELAY_MS, "rt60_ms": RT60_MS, "quick": quick}
     print_line(table(outcomes))
-    print_line(json.dumps(summary, indent=2))
+    # numpy scalars are written as numbers (a summary must never be lost to a type after a 10-minute run)
+    text = json.dumps(summary, indent=2, default=jsonable)
+    print_line(text)
     if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        Path(json_path).write_text(text + "\n", encoding="utf-8")
     return summary
