@@ -141,7 +141,7 @@ def test_onset_gate_high_band_passes_a_consonant_but_not_a_quiet_band():
     # 2 s of far-end frames: broadband cancelled by 40 dB, high band at power 1e-2.
     ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
     ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200  # high band cancelled by 45 dB
-    assert ec.high_band_threshold_db() == -20.0
+    assert ec.high_band_threshold_db() == -16.0
 
     def frames(hb_ratio_db, hb_level_db, n=3):
         for _ in range(n):
@@ -174,10 +174,10 @@ def test_onset_gate_high_band_passes_a_consonant_but_not_a_quiet_band():
 def test_a_users_onset_does_not_raise_the_gate_it_must_pass(far_end):
     """The echo floors behind both thresholds come from the last 2 s of far-end frames, which include the
     user's first frames as soon as they talk over the reply. 80 ms of a fricative-like hiss (noise above
-    2 kHz at the user's level, under echo 6 dB louder) must leave both thresholds where the echo alone put
-    them; before the floors left out the newest 300 ms, the high-band one rose by 13 dB within 30 ms of such
-    an onset."""
-    mic, _ = through_room(far_end, 6.0)
+    2 kHz at a user's level, under the reply's echo, about 7 dB louder) must leave both floors, and so both
+    thresholds, where the echo alone put them; before the floors left out the newest 300 ms, the high-band
+    one rose by 13 dB within 30 ms of such an onset."""
+    mic, _ = through_room(far_end, 0.0)  # (at +6 dB this room clips Piper's peaks: a distorting speaker)
     rng = np.random.default_rng(3)
     hiss = np.fft.irfft(np.fft.rfft(rng.standard_normal(1280)) * (np.fft.rfftfreq(1280, 1 / 16000) >= 2500))
     hiss *= 10 ** (-26.0 / 20) / np.sqrt(np.mean(hiss ** 2))
@@ -187,15 +187,15 @@ def test_a_users_onset_does_not_raise_the_gate_it_must_pass(far_end):
     ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
     for i in range(0, at, FRAME):
         ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
-    before = ec.gate_threshold_db(), ec.high_band_threshold_db()
-    assert before[0] == -10.0 and before[1] < -6.0  # converged: both tests on
+    before = ec.echo_floor_db(), ec.high_band_floor_db()
+    assert before[0] < -25.0 and before[1] < -25.0  # converged
     passed = []
     for i in range(at, at + len(hiss), FRAME):
         ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
         # (the oldest frames leave the 2 s as the echo goes on: a few hundredths of a dB)
-        assert (ec.gate_threshold_db(), ec.high_band_threshold_db()) == pytest.approx(before, abs=0.5)
+        assert (ec.echo_floor_db(), ec.high_band_floor_db()) == pytest.approx(before, abs=0.5)
         passed.append(ec.near_end_present())
-    assert any(passed)  # and the hiss itself passes the high-band test
+    assert any(passed)  # and the hiss itself passes the gate
 
 
 def test_strict_near_end_test_needs_both_bands_and_a_far_end():

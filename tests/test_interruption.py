@@ -268,3 +268,19 @@ def test_keyword_classifier_falls_back_to_the_forward_search(name, want):
     assert clf.hypothesis(audio) == ""
     clf._fallback = fallback
     assert clf.classify(audio) == BargeInDecision.INTERRUPT and clf.last == want
+
+
+def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge_in():
+    """The benchmark's validity rule on timeline records (seconds): a reply that finishes within 100 ms of
+    the user's onset, before any pause, was never interrupted; one that was paused first, or that ends
+    later, counts."""
+    speech = [{"event": "user_speech", "onset_t": 2.0}]
+    playing = [{"event": "state", "t": 1.0, "state": "speaking"}]
+    ended = lambda t: [{"event": "turn_end", "t": t, "interrupted": False}]  # noqa: E731
+    assert bench.interjection_validity(playing + ended(2.056), speech) == (
+        False, "the reply ended by itself 56 ms after the onset, before a barge-in could be decided")
+    assert bench.interjection_validity(playing + ended(2.3), speech) == (True, "")
+    paused = [{"event": "interrupted", "t": 2.05}]
+    assert bench.interjection_validity(playing + paused + ended(2.08), speech) == (True, "")
+    assert not bench.interjection_validity([{"event": "state", "t": 1.0, "state": "listening"}], speech)[0]
+    assert not bench.interjection_validity(playing, [])[0]

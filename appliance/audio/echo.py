@@ -48,9 +48,10 @@ GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (ech
 GATE_SOFT_DB = 6.0  # ... or within this of it in two consecutive checks (see near_end_present)
 GATE_MAX_DB = -6.0  # ... and never stricter than this (the user at least a quarter of the microphone's energy)
 HB_HZ = 2000.0  # the high band of the second test: fricatives and bursts live there, a vowel's energy does not
-HB_GATE_DB = -20.0  # high-band test: output/input energy ratio above HB_HZ at least this ...
+HB_GATE_DB = -16.0  # high-band test: output/input energy ratio above HB_HZ at least this (an echo-only window
+#   reached -16.8 dB in real time and paused the reply when this was -20; users' first windows: -16 to +3 dB) ...
 HB_MARGIN_DB = 22.0  # ... and at least this far above the high band's own echo floor (a distorting speaker's)
-HB_MAX_DB = -6.0  # a threshold above this (a floor above -21 dB: the canceller leaves much of the high band) turns it off
+HB_MAX_DB = -6.0  # a threshold above this (a floor above -28 dB: the canceller leaves much of the high band) turns it off
 HB_MIN_POWER = 10 ** (-80 / 10)  # ... over a high band with at least this mean power per sample (−80 dBFS)
 HB_MIN_REL_DB = -10.0  # ... and at most this far below the microphone's usual high band while the far end plays
 _HANN = np.hanning(FRAME).astype(np.float32)
@@ -266,6 +267,10 @@ class EchoCanceller:
         usual = sum(kept) / len(kept)
         return 10.0 * np.log10((now + 1e-20) / (usual + 1e-20))
 
+    def high_band_floor_db(self) -> Optional[float]:
+        """Like :meth:`echo_floor_db` over the band above ``HB_HZ`` only, dB; None before 0.5 s of far end."""
+        return _floor_db(self._lt_hb_out, self._lt_hb_in)
+
     def high_band_threshold_db(self) -> float:
         """The high-band test's threshold, dB: ``HB_GATE_DB``, raised to the high band's echo floor (its
         output/input ratio over the last 2 s of far-end frames, :func:`_floor_db`) + ``HB_MARGIN_DB`` when
@@ -273,7 +278,7 @@ class EchoCanceller:
         a speaker's harmonic distortion or the room's noise, which the canceller cannot remove, raise the
         floor and so the threshold. Above ``HB_MAX_DB``, and before 0.5 s of far-end frames, the high band
         cannot be trusted and the test is off (``inf``)."""
-        floor = _floor_db(self._lt_hb_out, self._lt_hb_in)
+        floor = self.high_band_floor_db()
         if floor is None:
             return float("inf")
         threshold = max(HB_GATE_DB, floor + HB_MARGIN_DB)

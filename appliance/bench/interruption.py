@@ -52,6 +52,7 @@ QUESTION = ("Tell me about rainbows and how they form.", "question")
 VOICES = ("joe", "en-us+f3", "en-gb+m3")
 BACKCHANNELS = ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]
 SHORT_STOPS = ["Stop.", "Wait.", "No.", "Hold on."]
+ENDED_BY_ITSELF_S = 0.1  # a reply that ends this soon after the user's onset makes the scenario invalid
 ECHO_ONLY_RUNS = 5  # per echo level: a self-interrupt rate of a few percent showed in 1 of 20 extra runs
 LONG_INTERRUPTIONS = ["Wait, I want to ask you something else about the moon.",
                       "No, actually, tell me about the ocean instead please."]
@@ -217,6 +218,30 @@ def echo_gain_db(case: Case, reply_level_dbfs: float) -> float:
     return USER_DBFS + case.echo_rel_db - reply_level_dbfs
 
 
+def interjection_validity(recs: list[dict], speech: list[dict]) -> tuple[bool, str]:
+    """Whether a scenario's interjection met a reply it could interrupt, from the timeline ``recs``
+    (seconds) and the room's ``user_speech`` records of it: (valid, why not). Invalid when it never played,
+    when the reply was not playing at its onset, or when the reply ended by itself within
+    ``ENDED_BY_ITSELF_S`` of the onset, before any pause: that reply finished, it was not interrupted (the
+    270M model's replies vary in length from run to run)."""
+    if not speech:
+        return False, "the interjection never played (no reply?)"
+    onset = speech[0]["onset_t"]
+    state_at = "listening"
+    for r in recs:
+        if r["event"] == "state" and r["t"] <= onset:
+            state_at = r["state"]
+    if state_at not in ("speaking", "interrupted"):
+        return False, f"the reply was not playing at the onset ({state_at})"
+    ended = [r["t"] for r in recs if r["event"] == "turn_end" and not r.get("interrupted")
+             and onset <= r["t"] < onset + ENDED_BY_ITSELF_S]
+    paused = [r["t"] for r in recs if r["event"] == "interrupted" and r["t"] >= onset - 0.05]
+    if ended and not (paused and paused[0] <= ended[0]):
+        return False, (f"the reply ended by itself {1000.0 * (ended[0] - onset):.0f} ms after the onset, "
+                       "before a barge-in could be decided")
+    return True, ""
+
+
 def warm_up(echo, gain_db: float, voice_audio: np.ndarray) -> None:
     """Converge the canceller on the appliance's voice through the bench's echo path (offline)."""
     fir = np.concatenate([np.zeros(int(ECHO_DELAY_MS * MODEL_RATE / 1000)), synthetic_ir(RT60_MS)])
@@ -306,18 +331,8 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
                   segments=session.playback.segments_played(), output=output, gated=session.segmenter.gated,
                   verdicts=list(session.conversation.turn_taker.verdicts), early_onsets=session.segmenter.early_onsets)
     speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
-    states = [r for r in recs if r["event"] == "state"]
     if case.audio is not None:
-        if not speech:
-            out.valid, out.note = False, "the interjection never played (no reply?)"
-        else:
-            onset = speech[0]["onset_t"]
-            state_at = "listening"
-            for r in states:
-                if r["t"] <= onset:
-                    state_at = r["state"]
-            if state_at not in ("speaking", "interrupted"):
-                out.valid, out.note = False, f"the reply was not playing at the onset ({state_at})"
+        out.valid, out.note = interjection_validity(recs, speech)
     after = speech[0]["onset_t"] - 0.05 if speech else 0.0
     out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= after)
     out.flushed = any(r["event"] == "flushed" and r["t"] >= after for r in recs)
