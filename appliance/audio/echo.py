@@ -286,7 +286,8 @@ class EchoCanceller:
 
     def near_end_present(self, n: int = 512) -> bool:
         """Double-talk test for the VAD's onset gate: True when the last ``n`` samples are not mostly
-        cancelled echo, or when the far end has been silent for the echo tail (200 ms) and the window. Two tests, either passes:
+        cancelled echo, or when the far end has been silent for the echo tail (200 ms) and the window. Two
+        tests, either passes:
 
         - broadband: the output/input ratio at or above :meth:`gate_threshold_db` (or within
           ``GATE_SOFT_DB`` of it in two consecutive checks);
@@ -329,11 +330,13 @@ class EchoCanceller:
         :meth:`gate_threshold_db` (no soft pass) and the high-band test. False while the far end is silent
         or before any frame: then there is no echo to tell the user from, and the VAD alone decides.
 
-        Why both (measured here, offline, on the bench's voices, echo path and canceller): over 48 echo-only
-        replies (5.6 min, echo at 0, +6 and +10 dB), windows that Silero scored 0.2 or more came within
-        7.0 dB of passing both tests at the closest, while either test alone passed in places (by up to
-        10 dB broadband, 13 dB high band). A user's "s" or "st" passes both within 20–60 ms of its onset,
-        while Silero still scores it 0.05–0.45, until the vowel 100–150 ms later.
+        Why both (measured here, offline, on the bench's voices, echo path and canceller, with the floors'
+        first form and the high band at −20 dB): over 48 echo-only replies (5.6 min, echo at 0, +6 and
+        +10 dB), windows that Silero scored 0.2 or more came within 7.0 dB of passing both tests at the
+        closest, while either test alone passed in places (by up to 10 dB broadband, 13 dB high band). In
+        two full bench runs of this code the closest was 10.9 and 15.2 dB (``onset_early_min_headroom_db``).
+        A user's "s" or "st" passes both within 20–60 ms of its onset, while Silero still scores it
+        0.05–0.45, until the vowel 100–150 ms later.
         """
         if self._far_energy_recent(n + self._tail) < 1e-7:
             return False
@@ -390,7 +393,8 @@ def _floor_db(lt_out: list, lt_in: list) -> Optional[float]:
     still follows what the canceller cannot remove, such as a distorting speaker, with a 300 ms delay.
     (A median of the frames' ratios is not moved by an onset either, but it does not follow a speaker's
     distortion, which sits in the loudest frames: measured here, offline, with a tanh loudspeaker at
-    −24 dB of distortion, the appliance paused on its own echo in 17 of 32 replies, against 9 with the lag.)
+    −24 dB of distortion, the appliance paused on its own echo in 17 of 32 replies, against 9 with the lag,
+    and 3 once the high band's margin was 22 dB.)
     """
     if len(lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
         return None

@@ -329,7 +329,8 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     output = room.output_audio()
     out = Outcome(case, recs, valid=True, vad_ms=list(session.segmenter.infer_ms),
                   segments=session.playback.segments_played(), output=output, gated=session.segmenter.gated,
-                  verdicts=list(session.conversation.turn_taker.verdicts), early_onsets=session.segmenter.early_onsets)
+                  verdicts=list(session.conversation.turn_taker.verdicts),
+                  early_onsets=session.segmenter.early_onsets)
     speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
     if case.audio is not None:
         out.valid, out.note = interjection_validity(recs, speech)
