@@ -43,7 +43,6 @@ FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
 FAR_ACTIVE = 10 ** (-50 / 10)  # mean far-end power above which a frame counts as "far end active" (−50 dBFS)
 LT_FRAMES = 200  # the echo floor's memory: 2 s of far-active frames
 FLOOR_LAG_FRAMES = 30  # ... but the newest 300 ms, where a user's onset would be (see _floor_db)
-RESTART_IDLE_FRAMES = 40  # the far end silent this long (400 ms) and then active again: a (re)start
 GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (echo-only windows that the VAD took
 # for speech sat up to 12 dB above it, p95 9 dB, in 10 offline runs of Piper replies at 0/+6 dB, measured here)
 GATE_SOFT_DB = 6.0  # ... or within this of it in two consecutive checks (see near_end_present)
@@ -166,8 +165,6 @@ class EchoCanceller:
         self.gate_log: list[tuple] = []
         self.clear_log: list[tuple] = []  # the same for near_end_clear (passed = both tests), if record
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
-        self._far_run = 0  # far-active frames since the far end last (re)started
-        self._far_idle = RESTART_IDLE_FRAMES  # far-inactive frames in a row
 
     def set_delay_ms(self, ms: float) -> None:
         """The delay from a far-end frame being handed over to its echo reaching the canceller, ms (only
@@ -207,15 +204,10 @@ class EchoCanceller:
             self._hb_in.append(float(hb_in[i]))
             self._hb_out.append(float(hb_out[i]))
             if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
-                # the far end (re)starts after a silence: a new reply, or a reply resumed after the user
-                self._far_run = 0 if self._far_idle >= RESTART_IDLE_FRAMES else self._far_run + 1
-                self._far_idle = 0
                 self._lt_in.append(self._ratio_in[-1])
                 self._lt_out.append(self._ratio_out[-1])
                 self._lt_hb_in.append(self._hb_in[-1])
                 self._lt_hb_out.append(self._hb_out[-1])
-            else:
-                self._far_idle += 1
         for buf in (self._ratio_in, self._ratio_out, self._ratio_far, self._hb_in, self._hb_out):
             del buf[:-64]
         for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out):
@@ -242,7 +234,7 @@ class EchoCanceller:
         """The output-to-input energy ratio of the last 2 s of frames with the far end active but the
         newest 300 ms, dB (:func:`_floor_db`): about −ERLE, the canceller's current performance, and not
         moved by a user's onset. None before 0.5 s of such frames."""
-        return _floor_db(self._lt_out, self._lt_in, self._floor_lag())
+        return _floor_db(self._lt_out, self._lt_in)
 
     def gate_threshold_db(self) -> float:
         """The onset gate's threshold, dB: ``gate_db``, raised to ``echo_floor_db() + gate_margin_db`` while
@@ -267,23 +259,17 @@ class EchoCanceller:
     def high_band_level_db(self, n: int = 512) -> Optional[float]:
         """The microphone's high-band power over the last ``n`` samples relative to its mean over the last
         2 s of far-end frames but the newest 300 ms, dB; None before 0.5 s of those."""
-        lag = self._floor_lag()
-        if len(self._lt_hb_in) - lag < LT_FRAMES // 4 or not self._hb_in:
+        if len(self._lt_hb_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4 or not self._hb_in:
             return None
         k = max(1, n // FRAME)
         now = sum(self._hb_in[-k:]) / k
-        kept = self._lt_hb_in[: len(self._lt_hb_in) - lag]  # not the newest 300 ms, as for the floor (_floor_db)
+        kept = self._lt_hb_in[:-FLOOR_LAG_FRAMES]  # not the newest 300 ms, as for the floor (_floor_db)
         usual = sum(kept) / len(kept)
         return 10.0 * np.log10((now + 1e-20) / (usual + 1e-20))
 
-    def _floor_lag(self) -> int:
-        """Frames the floors leave out: the newest ``FLOOR_LAG_FRAMES``, except in the first 300 ms after the
-        far end (re)starts, when they leave out none (see :func:`_floor_db`)."""
-        return FLOOR_LAG_FRAMES if self._far_run >= FLOOR_LAG_FRAMES else 0
-
     def high_band_floor_db(self) -> Optional[float]:
         """Like :meth:`echo_floor_db` over the band above ``HB_HZ`` only, dB; None before 0.5 s of far end."""
-        return _floor_db(self._lt_hb_out, self._lt_hb_in, self._floor_lag())
+        return _floor_db(self._lt_hb_out, self._lt_hb_in)
 
     def high_band_threshold_db(self) -> float:
         """The high-band test's threshold, dB: ``HB_GATE_DB``, raised to the high band's echo floor (its
@@ -394,9 +380,9 @@ def _ratio_db(e_out: float, e_in: float) -> float:
     return float(10.0 * np.log10((e_out + 1e-12) / (e_in + 1e-12)))
 
 
-def _floor_db(lt_out: list, lt_in: list, lag: int = FLOOR_LAG_FRAMES) -> Optional[float]:
+def _floor_db(lt_out: list, lt_in: list) -> Optional[float]:
     """The echo floor: :func:`_ratio_db` over the far-end frames kept (the last 2 s) but the newest
-    ``lag``, dB; None before 0.5 s of them.
+    ``FLOOR_LAG_FRAMES``, dB; None before 0.5 s of them.
 
     Why the lag: the frames kept include the user's first frames as soon as they talk over the reply, and
     30–50 ms of a user over the echo carry more output energy than 2 s of cancelled echo, so the floor rose
@@ -409,16 +395,10 @@ def _floor_db(lt_out: list, lt_in: list, lag: int = FLOOR_LAG_FRAMES) -> Optiona
     distortion, which sits in the loudest frames: measured here, offline, with a tanh loudspeaker at
     −24 dB of distortion, the appliance paused on its own echo in 17 of 32 replies, against 9 with the lag,
     and 3 once the high band's margin was 22 dB.)
-
-    No lag in the first 300 ms after the far end (re)starts (:meth:`EchoCanceller._floor_lag`): the
-    canceller adapts while the user talks over the echo and may start the next reply, or the resumed one,
-    worse than before; the floor must see that at once. Without this, the bundled demo's second reply (the
-    one after "Wait, stop.") paused on its own echo 120–220 ms in, in 3 of 9 runs (measured here).
     """
-    if len(lt_in) - lag < LT_FRAMES // 4:
+    if len(lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
         return None
-    k = len(lt_in) - lag
-    return _ratio_db(sum(lt_out[:k]), sum(lt_in[:k]))
+    return _ratio_db(sum(lt_out[:-FLOOR_LAG_FRAMES]), sum(lt_in[:-FLOOR_LAG_FRAMES]))
 
 
 def _high_band_energy(frames: np.ndarray) -> np.ndarray:
