@@ -179,8 +179,11 @@ def test_a_replay_stopped_halfway_leaves_no_files_of_an_earlier_run(tmp_path):
     out.mkdir()
     for name in ("reply.wav", "report.json"):
         (out / name).write_text("from an earlier run\n")
+    # (SIGINT back to its default in the child: a shell that starts the suite in the background ignores it,
+    # and an ignored SIGINT is inherited, so the replay would not see the Ctrl-C at all)
     p = subprocess.Popen([sys.executable, "-m", "appliance", "replay", str(DEMO / "barge-in.yaml"), "--out", str(out),
-                          "--embedded", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--embedded", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and p.poll() is None:
         if (out / "timeline.jsonl").exists() and (out / "timeline.jsonl").stat().st_size > 0:
