@@ -4,10 +4,11 @@ simulated room's echo path (30 ms + a synthetic RT60 150 ms impulse response). O
 import numpy as np
 import pytest
 
-from appliance.audio.echo import FRAME, EchoCanceller, erle_db, from_config, stream_delay_ms
+from appliance.audio.echo import FRAME, OVER_DB, EchoCanceller, erle_db, from_config, stream_delay_ms
 from appliance.audio.files import load_audio, resample
 from appliance.audio.room import RoomSpec, Scenario, SimulatedRoom, synthetic_ir
 from appliance.config import Config
+from appliance.vad import SileroVad
 from appliance.errors import UserError
 
 from conftest import DEMO
@@ -223,5 +224,41 @@ def test_strict_near_end_test_needs_both_bands_and_a_far_end():
     frames(-14.0, -5.0, n=2)
     frames(-14.0, -5.0, n=2)
     assert not ec.near_end_clear()  # a soft broadband pass does not count
+    frames(6.0, 6.0)
+    assert not ec.near_end_clear() and not ec.near_end_present()  # output louder than input: our own estimate
     frames(-5.0, -5.0, far=0.0, n=25)
     assert not ec.near_end_clear() and ec.near_end_present()  # no far end: nothing to tell the user from
+
+
+@pytest.mark.parametrize("mic_floor_db", [None, -70.0])
+def test_a_filter_left_with_no_echo_path_does_not_speak_into_the_microphone(parts, far_end, mic_floor_db):
+    """The bundled demo's defect (its room has no echo path, like headphones): the Speex filter adapted on
+    the first reply, then the next reply played into a microphone with no echo at all, digitally silent or
+    at a noise floor. The canceller must not turn the reply into near-end "speech": no Silero window of its
+    output may score 0.5 with the onset gate open, the condition of a self-interruption (measured here
+    without the clamp and the ``OVER_DB`` test: 55 and 64 such windows)."""
+    mic1, _ = through_room(far_end, 0.0)
+    tts = parts.tts
+    reply2 = resample(np.concatenate(list(tts.synthesize(
+        "The moon is the only natural satellite of the Earth, and it turns around us once a month or so."))),
+        tts.sample_rate, 16000)
+    rng = np.random.default_rng(1)
+    mic2 = np.zeros(len(reply2), np.float32) if mic_floor_db is None else \
+        (10 ** (mic_floor_db / 20) * rng.standard_normal(len(reply2))).astype(np.float32)
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    for i in range(0, len(mic1) - FRAME + 1, FRAME):
+        ec.process(mic1[i : i + FRAME], far_end[i : i + FRAME])
+    vad, buf, out, opened = SileroVad(), np.zeros(0, np.float32), [], 0
+    for i in range(0, len(reply2) - FRAME + 1, FRAME):
+        o = ec.process(mic2[i : i + FRAME], reply2[i : i + FRAME])
+        out.append(o)
+        buf = np.concatenate([buf, o])
+        if len(buf) >= 512:
+            w, buf = buf[:512], buf[512:]
+            opened += vad.probability(w) >= 0.5 and ec.near_end_present()
+    out = np.concatenate(out)
+    assert ec.clamped > 0  # the filter did write the reply into the output
+    e_out = np.sum(out.reshape(-1, FRAME).astype(np.float64) ** 2, axis=1)
+    e_in = np.sum(mic2[: len(out)].reshape(-1, FRAME).astype(np.float64) ** 2, axis=1)
+    assert np.all(e_out <= e_in * 10 ** (OVER_DB / 10) * 1.0001 + 1e-12)  # never much louder than the microphone
+    assert opened == 0

@@ -47,6 +47,7 @@ GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (ech
 # for speech sat up to 12 dB above it, p95 9 dB, in 10 offline runs of Piper replies at 0/+6 dB, measured here)
 GATE_SOFT_DB = 6.0  # ... or within this of it in two consecutive checks (see near_end_present)
 GATE_MAX_DB = -6.0  # ... and never stricter than this (the user at least a quarter of the microphone's energy)
+OVER_DB = 3.0  # ... and at most this: an output louder than the input is the canceller's own estimate (_never_louder)
 HB_HZ = 2000.0  # the high band of the second test: fricatives and bursts live there, a vowel's energy does not
 HB_GATE_DB = -16.0  # high-band test: output/input energy ratio above HB_HZ at least this (an echo-only window
 #   reached -16.8 dB in real time and paused the reply when this was -20; users' first windows: -16 to +3 dB) ...
@@ -146,6 +147,7 @@ class EchoCanceller:
         self._far = np.zeros(0, dtype=np.float32)
         self.frames = 0
         self.busy_s = 0.0  # compute time spent in the library, s
+        self.clamped = 0  # frames whose output was louder than their input, scaled down (_never_louder)
         self.record = record
         self.recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.gate_db = gate_db
@@ -194,12 +196,15 @@ class EchoCanceller:
             sl = slice(i * FRAME, (i + 1) * FRAME)
             out[sl] = self._impl.frame(self._near[sl], self._far[sl])
         self.busy_s += time.perf_counter() - t0
-        hb_in = _high_band_energy(self._near[:need].reshape(n, FRAME))
-        hb_out = _high_band_energy(out.reshape(n, FRAME))
+        near, out_f = self._near[:need].reshape(n, FRAME), out.reshape(n, FRAME)
+        e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
+        self.clamped += _never_louder(out_f, e_out, e_in)
+        hb_in = _high_band_energy(near)
+        hb_out = _high_band_energy(out_f)
         for i in range(n):
             sl = slice(i * FRAME, (i + 1) * FRAME)
-            self._ratio_in.append(float(np.dot(self._near[sl], self._near[sl])))
-            self._ratio_out.append(float(np.dot(out[sl], out[sl])))
+            self._ratio_in.append(float(e_in[i]))
+            self._ratio_out.append(float(e_out[i]))
             self._ratio_far.append(float(np.dot(self._far[sl], self._far[sl])))
             self._hb_in.append(float(hb_in[i]))
             self._hb_out.append(float(hb_out[i]))
@@ -297,6 +302,13 @@ class EchoCanceller:
           broadband ratio stays low until the user's own vowel, but above 2 kHz the canceller leaves little
           of a linear echo, and the user's consonant fills that band.
 
+        Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
+        (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
+        speech adds to the input as much as to the output, so it stays near 0 dB), and what the VAD heard
+        is the far end that the canceller itself put there. Measured here, offline: after the echo path
+        vanished from a converged Speex filter, 64 windows of the next reply over a −70 dBFS noise floor
+        scored 0.5 or more and passed the gate; with the clamp and this test, 6 scored 0.5 and none passed.
+
         Measured here, offline (the bench's voices, echo path and canceller, not paced in real time):
         227 echo-only windows that Silero took for speech, in 30 Piper replies each at 0 and +6 dB echo, reached a
         high-band ratio of −17.5 dB, but only over a high band 22–31 dB below its usual level (the canceller
@@ -305,8 +317,6 @@ class EchoCanceller:
         at −6 and 0 dB, echo at 0 and +6 dB) the user's first windows sat at −16 to +3 dB, and the barge-in
         p50/p95 went from 99/176 ms (broadband test alone) to 68/116 ms.
         """
-        if self._far_energy_recent(n + self._tail) < 1e-7:
-            return True
         t = self._band_tests(n)
         if t is None:
             return True
@@ -317,11 +327,9 @@ class EchoCanceller:
         soft = r >= threshold - GATE_SOFT_DB
         passed = r >= threshold or (soft and self._last_soft is not None and self.frames - self._last_soft <= 2)
         self._last_soft = self.frames if soft else None
-        passed = passed or hb_passed
+        passed = (passed or hb_passed) and r <= OVER_DB
         if self.record:
-            self.gate_log.append((self.frames, round(float(r), 1), round(threshold, 1), passed,
-                                  None if hb is None else round(float(hb), 1), round(hb_threshold, 1),
-                                  None if level is None else round(float(level), 1)))
+            self.gate_log.append(self._log_row(t, passed))
         return passed
 
     def near_end_clear(self, n: int = 512) -> bool:
@@ -338,23 +346,22 @@ class EchoCanceller:
         A user's "s" or "st" passes both within 20–60 ms of its onset, while Silero still scores it
         0.05–0.45, until the vowel 100–150 ms later.
         """
-        if self._far_energy_recent(n + self._tail) < 1e-7:
-            return False
         t = self._band_tests(n)
         if t is None:
             return False
-        r, threshold, hb, hb_threshold, level, hb_passed = t
-        passed = bool(r >= threshold and hb_passed)
+        r, threshold, _, _, _, hb_passed = t
+        passed = bool(threshold <= r <= OVER_DB and hb_passed)
         if self.record:
-            self.clear_log.append((self.frames, round(float(r), 1), round(threshold, 1), passed,
-                                   None if hb is None else round(float(hb), 1), round(hb_threshold, 1),
-                                   None if level is None else round(float(level), 1)))
+            self.clear_log.append(self._log_row(t, passed))
         return passed
 
     def _band_tests(self, n: int) -> Optional[tuple]:
         """The two bands' figures over the last ``n`` samples: (broadband ratio, its threshold, high-band
         ratio or None, its threshold, high-band level or None, whether the high-band test passes), dB;
-        None before any frame."""
+        None before any frame, or when the far end has been silent for the echo tail and the window (no
+        echo to tell the user from)."""
+        if self._far_energy_recent(n + self._tail) < 1e-7:
+            return None
         r = self.near_end_ratio_db(n)
         if r is None:
             return None
@@ -363,6 +370,12 @@ class EchoCanceller:
         level = self.high_band_level_db(n)
         hb_passed = bool(hb is not None and hb >= hb_threshold and level is not None and level >= HB_MIN_REL_DB)
         return r, self.gate_threshold_db(), hb, hb_threshold, level, hb_passed
+
+    def _log_row(self, t: tuple, passed: bool) -> tuple:
+        """A row of :attr:`gate_log` or :attr:`clear_log` from :meth:`_band_tests`' figures."""
+        r, threshold, hb, hb_threshold, level, _ = t
+        rnd = lambda x: None if x is None else round(float(x), 1)  # noqa: E731
+        return (self.frames, rnd(r), rnd(threshold), passed, rnd(hb), rnd(hb_threshold), rnd(level))
 
     def _far_energy_recent(self, n: int) -> float:
         """Mean far-end power per sample over the last ``n`` samples (at most the 64 frames kept)."""
@@ -399,6 +412,32 @@ def _floor_db(lt_out: list, lt_in: list) -> Optional[float]:
     if len(lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
         return None
     return _ratio_db(sum(lt_out[:-FLOOR_LAG_FRAMES]), sum(lt_in[:-FLOOR_LAG_FRAMES]))
+
+
+def _energy(frames: np.ndarray) -> np.ndarray:
+    """``sum(x**2)`` of each row of ``frames`` (float32 [n, FRAME]), float64 [n]."""
+    x = frames.astype(np.float64)
+    return np.einsum("ij,ij->i", x, x)
+
+
+def _never_louder(out: np.ndarray, e_out: np.ndarray, e_in: np.ndarray) -> int:
+    """Scale each row of ``out`` (float32 [n, FRAME], in place) whose energy ``e_out`` exceeds the energy
+    ``e_in`` of the canceller's input for that frame by more than ``OVER_DB`` down to the input's energy;
+    returns how many rows it scaled. The onset gate sees the ratio before this (``OVER_DB``).
+
+    Why: a canceller only takes away. An output louder than its input is the adaptive filter's own estimate
+    of an echo that is not there (the filter adapted during double talk, or the echo path changed), that is
+    the far end, filtered, put into the near end by the canceller itself. Measured here, in the bundled
+    demo (a room with no echo path): Speex's filter adapted on the user's "Wait, stop." over the reply, and
+    on the next reply it wrote that reply's speech into a digitally silent microphone signal at −45 to
+    −60 dBFS; Silero scored it 0.53–0.55, the onset gate saw an output/input ratio of +98 dB, and the reply
+    paused on itself in 3 of 15 runs. (A smaller excess is the estimate's error as an echo dies away, at
+    −50 to −95 dBFS: clamping those frames too changed which echo-only windows Silero scored 0.5.)
+    """
+    over = e_out > e_in * 10 ** (OVER_DB / 10)
+    if over.any():
+        out[over] *= np.sqrt(e_in[over] / e_out[over])[:, None].astype(np.float32)
+    return int(over.sum())
 
 
 def _high_band_energy(frames: np.ndarray) -> np.ndarray:
