@@ -59,6 +59,12 @@ def _route_llama_log() -> None:
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
+class NothingToHear(ValueError):
+    """A turn with neither audio the model can hear nor a transcript: a text-only model (the embedded
+    test model) given speech the replay's scenario has no words for, such as a fragment of the user's
+    speech that the VAD cut off. The turn is dropped, with one line in the log."""
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """The turn markup of a model family, as in its chat template."""
@@ -273,7 +279,7 @@ class Engine:
         :param audio: float32 mono PCM at 16 kHz, at most 30 s; used when the model hears.
         :param transcript: what was said; used when the model cannot hear (text-only model).
         :yields: decoded text pieces, one per generated token (possibly empty for partial UTF-8).
-        :raises ValueError: neither usable audio nor a transcript.
+        :raises NothingToHear: neither usable audio nor a transcript (a ``ValueError``).
         After the iterator is exhausted, :attr:`last` holds the turn's figures.
         """
         self._cancel.clear()
@@ -282,7 +288,7 @@ class Engine:
             t0 = time.perf_counter()
             use_audio = self.hears_audio and audio is not None and len(audio) > 0
             if not use_audio and not transcript:
-                raise ValueError("this model cannot hear audio and no transcript was given")
+                raise NothingToHear("this model cannot hear audio and no transcript was given")
             clip = np.asarray(audio, dtype=np.float32)[: 30 * 16000] if use_audio else None
             incoming = self._audio_tokens(clip) if use_audio else len(transcript) // 2 + 16
             if self.n_past + incoming + self.max_reply_tokens + 16 > self.n_ctx:
@@ -617,6 +623,9 @@ class EngineWorker:
                     self.engine.commit_spoken(b, complete=c)
                 elif kind == "call":
                     a()
+            except NothingToHear as exc:  # not a failure: speech with no words a text-only model can take
+                log.warning("reply %s dropped: %s", a, exc)
+                self.post("engine_error", reason=str(exc))
             except Exception as exc:
                 log.exception("engine job %s failed", kind)
                 self.post("engine_error", reason=f"{exc.__class__.__name__}: {exc}")

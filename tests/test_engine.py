@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.engine import Engine, TurnResult
+from appliance.engine import Engine, EngineWorker, TurnResult
 from appliance.history import HistoryStore
 from appliance.mtmd_audio import MtmdAudio
 
@@ -147,3 +147,20 @@ def test_text_turns_on_the_embedded_model(fresh_parts):
     with pytest.raises(ValueError):
         e.start_turn(audio=np.zeros(16000, np.float32))  # a text model cannot hear
     e.max_reply_tokens = saved
+
+
+def test_speech_a_text_model_cannot_take_drops_the_turn_with_one_log_line(fresh_parts, caplog):
+    """A fragment of speech with no transcript (a replay's VAD cut the user's words where the scenario has
+    none) given to the text-only model: one warning line, no traceback, and the conversation hears of it."""
+    posted = []
+    worker = EngineWorker(fresh_parts.engine, post=lambda ev, **info: posted.append((ev, info)),
+                          on_clause=lambda *a: None)
+    try:
+        with caplog.at_level("WARNING", logger="appliance.engine"):
+            worker.submit_turn(7, np.zeros(8000, np.float32), None)
+            assert worker.sync()
+    finally:
+        worker.stop()
+    assert posted == [("engine_error", {"reason": "this model cannot hear audio and no transcript was given"})]
+    [rec] = [r for r in caplog.records if r.name == "appliance.engine"]
+    assert rec.levelname == "WARNING" and rec.exc_info is None and "reply 7 dropped" in rec.getMessage()
