@@ -70,6 +70,19 @@ def test_own_echo_louder_than_the_user_never_interrupts(ctx, parts, embedded_cfg
 
 
 @REALTIME
+def test_the_reply_to_a_stop_word_does_not_pause_on_itself(ctx, parts, embedded_cfg):
+    """The bundled demo in the bench's terms: "Wait, stop." flushes the reply, then the reply to it plays
+    to its end with no pause. With no echo path, as in the demo, the canceller's filter, adapted on the
+    barge-in's double talk, used to write that reply into the microphone signal (see test_echo.py)."""
+    cache = ctx[0]
+    text = bench.NEXT_REPLY_STOP
+    out = run(ctx, parts, embedded_cfg, bench.Case("next_reply", "no echo path", cache.speech(text, "joe"), text,
+                                                   0.8, 0.0, echo_path=False))
+    assert events(out, "flushed") and len(events(out, "turn_end")) >= 2
+    assert out.interrupted == 0, [r for r in out.records if r["event"] in ("interrupted", "resumed", "flushed")]
+
+
+@REALTIME
 def test_backchannel_resumes_without_replaying_or_skipping(ctx, parts, embedded_cfg):
     """The resume mechanics. "Yeah.", because the keyword classifier now decodes deterministically, and
     Piper's "Uh-huh." is its known weak spot (taken for "no" in 3 of 9 captures; the benchmark and
@@ -284,3 +297,12 @@ def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge
     assert bench.interjection_validity(playing + paused + ended(2.08), speech) == (True, "")
     assert not bench.interjection_validity([{"event": "state", "t": 1.0, "state": "listening"}], speech)[0]
     assert not bench.interjection_validity(playing, [])[0]
+
+
+def test_the_next_reply_starts_where_it_first_plays_after_the_flush():
+    """The ``next_reply`` scenarios' rule on timeline records (seconds)."""
+    flushed = [{"event": "flushed", "t": 2.3}]
+    speaking = lambda t: [{"event": "state", "t": t, "state": "speaking"}]  # noqa: E731
+    assert bench.next_reply_start(speaking(1.0) + flushed + speaking(3.4) + speaking(3.9), 2.0) == (True, "", 3.4)
+    assert bench.next_reply_start(speaking(1.0), 2.0) == (False, "the stop word did not flush the reply", 0.0)
+    assert bench.next_reply_start(speaking(1.0) + flushed, 2.0)[:2] == (False, "no reply to the stop word played")

@@ -52,6 +52,7 @@ QUESTION = ("Tell me about rainbows and how they form.", "question")
 VOICES = ("joe", "en-us+f3", "en-gb+m3")
 BACKCHANNELS = ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]
 SHORT_STOPS = ["Stop.", "Wait.", "No.", "Hold on."]
+NEXT_REPLY_STOP = "Wait, stop."  # the bundled demo's interjection
 ENDED_BY_ITSELF_S = 0.1  # a reply that ends this soon after the user's onset makes the scenario invalid
 ECHO_ONLY_RUNS = 5  # per echo level: a self-interrupt rate of a few percent showed in 1 of 20 extra runs
 LONG_INTERRUPTIONS = ["Wait, I want to ask you something else about the moon.",
@@ -171,13 +172,14 @@ def make_noise(name: str, seed: int = 7) -> np.ndarray:
 
 @dataclass
 class Case:
-    kind: str  # barge_in | echo_only | noise | backchannel | short_stop
+    kind: str  # barge_in | echo_only | noise | backchannel | short_stop | next_reply
     label: str
     audio: Optional[np.ndarray]
     text: Optional[str]
     delay_s: float = 0.8  # after the appliance starts speaking
     echo_rel_db: float = 0.0  # echo level relative to the user's voice (USER_DBFS)
     user_rel_db: float = 0.0
+    echo_path: bool = True  # False: no echo reaches the microphone (headphones; the bundled demo's room)
 
 
 def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
@@ -202,8 +204,17 @@ def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
             for m, rel in enumerate((0.0, 6.0)):
                 cases.append(Case("short_stop", f"{v} {w} echo {rel:+.0f} dB", cache.speech(w, v), w,
                                   0.6 + 0.3 * ((k + m) % 3), rel))
+    # A stop word, then the whole of the reply to it: the appliance must not pause that reply on its own
+    # echo, with the canceller's filter just through the double talk of the barge-in (the bundled demo's
+    # defect, with no echo path at all).
+    for v in VOICES:
+        for rel in (0.0, 6.0, None):
+            where = "no echo path" if rel is None else f"echo {rel:+.0f} dB"
+            cases.append(Case("next_reply", f"{v} '{NEXT_REPLY_STOP}' then the next reply, {where}",
+                              cache.speech(NEXT_REPLY_STOP, v), NEXT_REPLY_STOP, 0.8, rel or 0.0,
+                              echo_path=rel is not None))
     if quick:
-        keep = {"barge_in": 3, "echo_only": 2, "noise": 2, "backchannel": 3, "short_stop": 3}
+        keep = {"barge_in": 3, "echo_only": 2, "noise": 2, "backchannel": 3, "short_stop": 3, "next_reply": 1}
         out, seen = [], {}
         for c in cases:
             if seen.get(c.kind, 0) < keep[c.kind]:
@@ -240,6 +251,20 @@ def interjection_validity(recs: list[dict], speech: list[dict]) -> tuple[bool, s
         return False, (f"the reply ended by itself {1000.0 * (ended[0] - onset):.0f} ms after the onset, "
                        "before a barge-in could be decided")
     return True, ""
+
+
+def next_reply_start(recs: list[dict], after: float) -> tuple[bool, str, float]:
+    """Where the reply to a flushing stop word began to play, from the timeline ``recs`` (seconds), for the
+    ``next_reply`` scenarios: (valid, why not, its start). Invalid when the stop word did not flush the reply
+    it interrupted (a missed short stop, counted by the ``short_stop`` scenarios), or when no next reply
+    played."""
+    flushed = [r["t"] for r in recs if r["event"] == "flushed" and r["t"] >= after]
+    if not flushed:
+        return False, "the stop word did not flush the reply", 0.0
+    spoke = [r["t"] for r in recs if r["event"] == "state" and r["state"] == "speaking" and r["t"] > flushed[0]]
+    if not spoke:
+        return False, "no reply to the stop word played", 0.0
+    return True, "", spoke[0]
 
 
 def warm_up(echo, gain_db: float, voice_audio: np.ndarray) -> None:
@@ -286,10 +311,10 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     events = [ScriptedUtterance(q, QUESTION[0], "question", at=0.3)]
     if case.audio is not None:
         events.append(ScriptedUtterance(case.audio, case.text, case.label, after="speaking", delay=case.delay_s))
-    scenario = Scenario(events, RoomSpec(echo_gain_db=gain, echo_delay_ms=ECHO_DELAY_MS,
+    scenario = Scenario(events, RoomSpec(echo_gain_db=gain if case.echo_path else None, echo_delay_ms=ECHO_DELAY_MS,
                                          impulse_response=synthetic_ir(RT60_MS)))
     echo = from_config(cfg, record=True)
-    if echo is not None:
+    if echo is not None and case.echo_path:
         warm_up(echo, gain, warm_voice)
     frame0 = echo.frames if echo is not None else 0
     timeline = Timeline()
@@ -311,7 +336,9 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
             if not room.finished_script:
                 return False
             recs = timeline.records
-            if case.kind == "echo_only" or wait_turn_end:
+            if case.kind == "next_reply":  # until the reply to the stop word has ended (or there is none)
+                done = session.conversation.idle.is_set()
+            elif case.kind == "echo_only" or wait_turn_end:
                 done = any(r["event"] in ("turn_end", "flushed") for r in recs)
             else:
                 done = any(r["event"] in ("resumed", "flushed", "turn_end") for r in recs[2:]) \
@@ -336,6 +363,11 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
         out.valid, out.note = interjection_validity(recs, speech)
     after = speech[0]["onset_t"] - 0.05 if speech else 0.0
     out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= after)
+    if case.kind == "next_reply" and out.valid:
+        out.valid, out.note, next_start = next_reply_start(recs, after)
+        # Every pause of the next reply is a self-interruption: the user stopped talking before it began.
+        out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= next_start) \
+            if out.valid else 0
     out.flushed = any(r["event"] == "flushed" and r["t"] >= after for r in recs)
     resumed = [r for r in recs if r["event"] == "resumed" and r["t"] >= after]
     out.resumed = bool(resumed) and not out.flushed
@@ -398,11 +430,14 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     def silent_ms(os_: list[Outcome]) -> list[float]:
         return [o.barge["output_silent_ms"] for o in os_ if o.barge and o.barge.get("output_silent_ms") is not None]
 
+    def paused(os_: list[Outcome]) -> dict:
+        return {"count": sum(1 for o in os_ if o.interrupted), "n": len(os_)}
+
     lat = silent_ms(barge + by("short_stop"))
     parts = {"long_barge_in": silent_ms(barge)}
     for rel in sorted({o.case.echo_rel_db for o in by("short_stop")}):
         parts[f"short_stop_echo_{rel:+.0f}db"] = silent_ms([o for o in by("short_stop") if o.case.echo_rel_db == rel])
-    echo_only = by("echo_only")
+    echo_only, next_reply = by("echo_only"), by("next_reply")
     bc, ss, noise = by("backchannel"), by("short_stop"), by("noise")
     num = sum(o.erle_num for o in outcomes)
     den = sum(o.erle_den for o in outcomes)
@@ -412,9 +447,14 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
         "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
-        "self_interrupts_echo": {"count": sum(1 for o in echo_only if o.interrupted), "n": len(echo_only),
+        # echo-only replies, and the replies to a stop word (the barge-in's double talk just behind them)
+        "self_interrupts_echo": {"count": sum(1 for o in echo_only + next_reply if o.interrupted),
+                                 "n": len(echo_only + next_reply),
                                  "echo_gain_db": max((o.case.echo_rel_db for o in echo_only), default=0.0),
-                                 "echo_levels_db": sorted({o.case.echo_rel_db for o in echo_only})},
+                                 "echo_levels_db": sorted({o.case.echo_rel_db for o in echo_only}),
+                                 "echo_only": paused(echo_only), "after_barge_in": paused(next_reply),
+                                 "after_barge_in_no_echo_path": paused([o for o in next_reply
+                                                                        if not o.case.echo_path])},
         "false_flush_noise": {"count": sum(1 for o in noise if o.flushed), "n": len(noise),
                               "paused": sum(1 for o in noise if o.interrupted)},
         "backchannel_resumed": {"count": sum(1 for o in bc if o.resumed), "n": len(bc)},
