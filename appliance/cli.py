@@ -133,13 +133,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_devices(args: argparse.Namespace) -> int:
     from .audio.devices import describe_devices
 
-    cfg = None
+    cfg, status = None, 0
     try:
         cfg = _config(args)
     except UserError as exc:
         print(f"warning: {_name_the_config(str(exc), args)} (listing the devices without it)", file=sys.stderr)
-    print(_name_the_config(describe_devices(cfg), args))
-    return 0
+        status = 2
+    text, found = describe_devices(cfg)
+    print(_name_the_config(text, args))
+    return status if found else 2  # the listing either way; the status says whether the config would run
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -185,6 +187,14 @@ def _json_out(args: argparse.Namespace) -> Optional[Path]:
         raise UserError(f"{path}: the directory {parent} does not exist; create it or give --json another path")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UserError(f"{path}: not writable; give --json a path you can write")
+    existed = path.exists()
+    try:  # access() says yes to root in /proc and on read-only mounts: open it, as the bench will
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write it ({exc.strerror}); give --json a path you can write") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return path
 
 

@@ -155,13 +155,21 @@ def test_bench_json_path_is_checked_before_measuring(tmp_path, bench):
     one_line_error(r, "missing-dir", "does not exist")
     r = appliance("bench", bench, "--embedded", "--json", str(tmp_path))
     one_line_error(r, str(tmp_path), "is a directory")
+    # access() says "writable" to root in /proc: found by a fresh user, after a whole run of measuring
+    r = appliance("bench", bench, "--embedded", "--json", "/proc/appliance-bench.json")
+    one_line_error(r, "/proc/appliance-bench.json", "cannot write it")
+
+
+def test_replay_of_a_directory_says_so(tmp_path):
+    r = appliance("replay", str(tmp_path), "--out", str(tmp_path / "o"), "--embedded")
+    one_line_error(r, str(tmp_path), "is a directory")
 
 
 def test_devices_and_doctor_name_the_config_file_given(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("vad:\n  threshold: [1\n")
     r = appliance("devices", "--config", str(broken))
-    assert r.returncode == 0 and "Traceback" not in r.stderr  # a listing still lists ...
+    assert r.returncode == 2 and "Traceback" not in r.stderr  # a listing still lists ...
     assert r.stderr.startswith("warning: ") and str(broken) in r.stderr  # ... but says the config is broken
     mine = tmp_path / "mine.yaml"
     mine.write_text("model:\n  gguf: /nonexistent/model.gguf\n")

@@ -82,7 +82,13 @@ def test_scenario_room_keys(tmp_path):
 @pytest.mark.parametrize("room, event, needle", [
     ("  echo_delay_ms: -30\n", "", "room.echo_delay_ms must be between 0 and 2000 ms"),
     ("  rt60_ms: 0\n", "", "room.rt60_ms must be between 1 and 2000 ms"),
-    ("  echo_gain_db: 0\n", "    delay: -1\n", "`delay` must be >= 0 seconds"),
+    ("  echo_gain_db: 0\n", "    delay: -1\n", "`delay` must be between 0 and 180 seconds, not -1"),
+    ("  echo_gain_db: 50\n", "", "room.echo_gain_db must be between -80 and 20 dB, not 50"),
+    ("  noise_gain_db: -200\n", "", "room.noise_gain_db must be between -80 and 20 dB"),
+    ("  echo_gain_db: 0\n", "    gain_db: 200\n", "event 1: `gain_db` must be between -60 and 40 dB, not 200"),
+    ("  echo_gain_db: 0\n", "    delay: 1e9\n", "`delay` must be between 0 and 180 seconds, not '1e9'"),
+    ("  echo_gain_db: 0\n", "    delay: soon\n", "`delay` must be a number of seconds, not 'soon'"),
+    ("  echo_gain_db: .nan\n", "", "room.echo_gain_db must be a number of dB, not nan"),
 ])
 def test_scenario_values_out_of_range_are_user_errors(tmp_path, room, event, needle):
     """Found by a fresh user: a negative echo delay crashed the room, a negative delay ran anyway."""
@@ -90,4 +96,17 @@ def test_scenario_values_out_of_range_are_user_errors(tmp_path, room, event, nee
     p = tmp_path / "a.yaml"
     p.write_text("events:\n  - after: speaking\n    say: q.wav\n" + event + "room:\n" + room)
     with pytest.raises(UserError, match=re.escape(needle)):
+        Scenario.load(p)
+
+
+def test_scenario_numbers_yaml_reads_as_text_and_a_misspelt_events_key(tmp_path):
+    """``1e3`` with no dot is text to YAML 1.1 (PyYAML), yet a number to whoever wrote it; a misspelt
+    ``events:`` is an unknown key, not "no events"."""
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
+    p = tmp_path / "a.yaml"
+    p.write_text("events:\n  - at: 5e-1\n    say: q.wav\nroom:\n  echo_delay_ms: 3e1\n")
+    sc = Scenario.load(p)
+    assert sc.events[0].at == 0.5 and sc.room.echo_delay_ms == 30.0
+    p.write_text("evnts:\n  - at: 0.5\n    say: q.wav\n")
+    with pytest.raises(UserError, match=re.escape("unknown top-level key(s) ['evnts']")):
         Scenario.load(p)

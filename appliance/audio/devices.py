@@ -409,8 +409,9 @@ def list_devices(timeout: float = 15.0) -> dict:
     return data
 
 
-def describe_devices(cfg=None) -> str:
-    """A table of sound devices, marking the ones ``cfg.audio.input``/``output`` select."""
+def describe_devices(cfg=None) -> tuple[str, bool]:
+    """A table of sound devices, marking the ones ``cfg.audio.input``/``output`` select, and whether both
+    of those were found (True without ``cfg``)."""
     data = list_devices()
     devs = data["devices"]
     chosen: dict[str, Optional[int]] = {}
@@ -429,7 +430,7 @@ def describe_devices(cfg=None) -> str:
                      + (f"  <- {', '.join(marks)}" if marks else ""))
     if not lines:
         lines.append("no sound devices found")
-    return "\n".join(lines + notes)
+    return "\n".join(lines + notes), not notes
 
 
 def _child_env() -> dict:

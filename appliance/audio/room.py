@@ -98,6 +98,32 @@ class RoomSpec:
     impulse_response: Optional[np.ndarray] = None
 
 
+# The ranges a scenario's numbers may take: (low, high, unit). Wider would be a typo, not a room: a user's
+# voice 40 dB over its recording clips, an echo 20 dB over what was played is no loudspeaker, and a replay
+# stops after 180 s (replay's max_seconds).
+EVENT_RANGES = {"at": (0.0, 180.0, "seconds"), "delay": (0.0, 180.0, "seconds"), "gain_db": (-60.0, 40.0, "dB")}
+ROOM_RANGES = {"echo_gain_db": (-80.0, 20.0, "dB"), "echo_delay_ms": (0.0, 2000.0, "ms"),
+               "noise_gain_db": (-80.0, 20.0, "dB"), "rt60_ms": (1.0, 2000.0, "ms")}
+
+
+def _number(value, what: str, low: float, high: float, unit: str) -> float:
+    """A scenario's number: an int or float, or a string that reads as one (YAML 1.1, which PyYAML follows,
+    reads ``1e9`` without a dot as text). Raises :class:`UserError` naming ``what`` outside [low, high]."""
+    x = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        x = float(value)
+    elif isinstance(value, str):
+        try:
+            x = float(value)
+        except ValueError:
+            pass
+    if x is None or not np.isfinite(x):
+        raise UserError(f"{what} must be a number of {unit}, not {value!r}")
+    if not low <= x <= high:
+        raise UserError(f"{what} must be between {low:g} and {high:g} {unit}, not {value!r}")
+    return x
+
+
 @dataclass
 class Scenario:
     events: list[ScriptedUtterance]
@@ -123,11 +149,11 @@ class Scenario:
             raise UserError(f"{path}: invalid YAML{where}; fix the syntax (see the scenario format in the README)") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path}: cannot read the scenario ({exc.__class__.__name__})") from None
-        if not isinstance(data, dict) or not data.get("events"):
-            raise UserError(f"{path}: the scenario has no events; add an `events:` list with at least one `say:` entry")
-        unknown = set(data) - {"events", "room"}
+        unknown = set(data) - {"events", "room"} if isinstance(data, dict) else set()
         if unknown:
             raise UserError(f"{path}: unknown top-level key(s) {sorted(unknown)}; only `events` and `room` are allowed")
+        if not isinstance(data, dict) or not data.get("events"):
+            raise UserError(f"{path}: the scenario has no events; add an `events:` list with at least one `say:` entry")
         if not isinstance(data["events"], list):
             raise UserError(f"{path}: `events` must be a list of entries with `at:` or `after:` and `say:`")
         base = path.parent
@@ -146,12 +172,8 @@ class Scenario:
             if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
                 raise UserError(f"{where}: `after:` must be speaking, thinking or listening, not {ev['after']!r}")
             for key in ("at", "delay", "gain_db"):
-                if key in ev and (not isinstance(ev[key], (int, float)) or isinstance(ev[key], bool)):
-                    unit = "decibels" if key == "gain_db" else "seconds"
-                    raise UserError(f"{where}: `{key}` must be a number of {unit}, not {ev[key]!r}")
-            for key in ("at", "delay"):
-                if key in ev and ev[key] < 0:
-                    raise UserError(f"{where}: `{key}` must be >= 0 seconds, not {ev[key]!r}")
+                if key in ev:
+                    ev[key] = _number(ev[key], f"{where}: `{key}`", *EVENT_RANGES[key])
             text = ev.get("text")
             if text is not None and not isinstance(text, str):
                 raise UserError(f"{where}: `text` must be a string (the transcript)")
@@ -166,12 +188,10 @@ class Scenario:
         extra = set(r) - set(allowed)
         if extra:
             raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}; allowed: {', '.join(allowed)}")
+        r = dict(r)
         for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db", "rt60_ms"):
-            if key in r and (not isinstance(r[key], (int, float)) or isinstance(r[key], bool)):
-                raise UserError(f"{path}: room.{key} must be a number, not {r[key]!r}")
-        for key, low, top in (("echo_delay_ms", 0.0, 2000.0), ("rt60_ms", 1.0, 2000.0)):
-            if key in r and not low <= r[key] <= top:
-                raise UserError(f"{path}: room.{key} must be between {low:.0f} and {top:.0f} ms, not {r[key]!r}")
+            if key in r:
+                r[key] = _number(r[key], f"{path}: room.{key}", *ROOM_RANGES[key])
         if "echo_gain_db" in r:
             room.echo_gain_db = float(r["echo_gain_db"])
         room.echo_delay_ms = float(r.get("echo_delay_ms", 30.0))
@@ -181,8 +201,6 @@ class Scenario:
         if "rt60_ms" in r and "impulse_response" in r:
             raise UserError(f"{path}: room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
         if "rt60_ms" in r:
-            if not 1.0 <= float(r["rt60_ms"]) <= 2000.0:
-                raise UserError(f"{path}: room.rt60_ms must be between 1 and 2000 ms, not {r['rt60_ms']}")
             room.impulse_response = synthetic_ir(float(r["rt60_ms"]))
         elif r.get("impulse_response"):
             ir = load_audio(base / str(r["impulse_response"]))
