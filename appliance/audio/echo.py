@@ -19,6 +19,10 @@ is unconverged (:meth:`EchoCanceller.gate_threshold_db`). A second test looks ab
 user's consonants stand out from a cancelled echo long before the user's vowel does (see
 :meth:`EchoCanceller.near_end_present`).
 
+An output frame more than ``OVER_DB`` louder than its input is the filter's own estimate of an echo that
+is not there (after double talk, or when the echo path goes away): it is scaled down to the input, and the
+onset gate stays shut over it (:func:`_never_louder`).
+
 The far end is what the output callback actually played; the near end is the microphone. On the
 simulated room the far-end block handed with each microphone block is exactly the block that was played
 at that instant; on sound devices the two streams are aligned with their own timing
