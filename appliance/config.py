@@ -18,7 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import UserError
+from .errors import UserError, yaml_problem
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/config.yaml")
 
@@ -326,9 +326,7 @@ def parse(text: str, path: Path) -> Config:
         node = yaml.compose(text)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        line, what = yaml_problem(exc)
         raise ConfigError(path, [ConfigProblem(line, "(yaml)", f"invalid YAML: {what}")]) from None
     if data is None:
         data = {}

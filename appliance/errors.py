@@ -9,3 +9,16 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+def yaml_problem(exc) -> tuple:
+    """Where and what a PyYAML error is, for one line: (line or None, text). The line is where the parser
+    gave up, which is often the line after the mistake (an unclosed ``[`` or quote shows up on the next
+    key), so the text also names the line where the construct it was reading began, when that differs."""
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and start.line + 1 != line:
+        what = f"{what} ({context} that began at line {start.line + 1})"
+    return line, what

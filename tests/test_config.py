@@ -50,7 +50,8 @@ BAD = {
     "duplicate key": ("vad:\n  threshold: 0.5\n  threshold: 0.6\n",
                       "line 3: vad.threshold: duplicate key (also at line 2; only this one would count); keep one"),
     "invalid YAML": ("vad:\n  threshold: [0.5\n",
-                     "line 3: (yaml): invalid YAML: expected ',' or ']', but got '<stream end>'"),
+                     "line 3: (yaml): invalid YAML: expected ',' or ']', but got '<stream end>' (while parsing a "
+                     "flow sequence that began at line 2)"),
     "tab indentation": ("vad:\n\tthreshold: 0.5\n",
                         "line 2: (yaml): invalid YAML: found character '\\t' that cannot start any token"),
     "not a mapping": ("- vad\n", "line 1: (top): expected a mapping of sections, found ['vad'] (list)"),

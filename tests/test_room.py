@@ -110,3 +110,12 @@ def test_scenario_numbers_yaml_reads_as_text_and_a_misspelt_events_key(tmp_path)
     p.write_text("evnts:\n  - at: 0.5\n    say: q.wav\n")
     with pytest.raises(UserError, match=re.escape("unknown top-level key(s) ['evnts']")):
         Scenario.load(p)
+
+
+def test_a_scenario_yaml_error_names_where_the_construct_began(tmp_path):
+    """PyYAML reports an unclosed quote where the file ends; the line where it was opened is the fix."""
+    p = tmp_path / "a.yaml"
+    p.write_text('events:\n  - at: 0.5\n    say: "q.wav\n')
+    with pytest.raises(UserError, match=re.escape("invalid YAML at line 4: found unexpected end of stream "
+                                                  "(while scanning a quoted scalar that began at line 3)")):
+        Scenario.load(p)

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
-from ..errors import UserError
+from ..errors import UserError, yaml_problem
 from .files import MODEL_RATE, first_above, load_audio
 
 BLOCK = 160  # 10 ms at 16 kHz
@@ -144,9 +144,10 @@ class Scenario:
         except FileNotFoundError:
             raise UserError(f"{path}: scenario file not found; check the path") from None
         except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise UserError(f"{path}: invalid YAML{where}; fix the syntax (see the scenario format in the README)") from None
+            line, what = yaml_problem(exc)
+            where = f" at line {line}" if line else ""
+            raise UserError(f"{path}: invalid YAML{where}: {what}; fix the syntax (see the scenario format in the "
+                            "README)") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path}: cannot read the scenario ({exc.__class__.__name__})") from None
         unknown = set(data) - {"events", "room"} if isinstance(data, dict) else set()
