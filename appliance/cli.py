@@ -36,7 +36,7 @@ def _config(args: argparse.Namespace) -> Config:
 def _name_the_config(message: str, args: argparse.Namespace) -> str:
     """The parts' errors say "set … in config.yaml": name the config file this command actually used."""
     path = getattr(args, "config_path", None) or (Path(args.config) if getattr(args, "config", None) else None)
-    if path is None or str(path) == "config.yaml":
+    if path is None:
         return message
     return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}")
 
@@ -139,9 +139,11 @@ def cmd_devices(args: argparse.Namespace) -> int:
     except UserError as exc:
         print(f"warning: {_name_the_config(str(exc), args)} (listing the devices without it)", file=sys.stderr)
         status = 2
-    text, found = describe_devices(cfg)
-    print(_name_the_config(text, args))
-    return status if found else 2  # the listing either way; the status says whether the config would run
+    text, problems = describe_devices(cfg)
+    print(text)
+    for line in problems:
+        print(f"warning: {_name_the_config(line, args)}", file=sys.stderr)
+    return 2 if problems else status  # the listing either way; the status says whether the config would run
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

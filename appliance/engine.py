@@ -191,8 +191,8 @@ class Engine:
             _route_llama_log()
         path = Path(gguf)
         if not path.is_file():
-            raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF "
-                            "(`appliance doctor` checks the model files)")
+            raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF, "
+                            "or pass --embedded for the bundled test model (`appliance doctor` checks the model files)")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
         try:
             self.llm = _load_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,

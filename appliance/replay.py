@@ -26,6 +26,8 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
     """A scenario YAML, or a WAV (any rate, mono or stereo) played at 0.5 s, with ``transcript`` as its
     text (used only by a model that cannot hear)."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give a WAV of speech or a scenario .yaml")
     if path.suffix.lower() in (".yaml", ".yml"):
         return Scenario.load(path)
     return Scenario.from_wav(path, text=transcript)

@@ -29,7 +29,7 @@ def test_missing_model_file(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text("model:\n  gguf: /nonexistent/model.gguf\n  mmproj: null\n")
     r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(tmp_path / "o"), "--config", str(cfg))
-    one_line_error(r, "/nonexistent/model.gguf", "model.gguf")
+    one_line_error(r, "/nonexistent/model.gguf", f"model.gguf in {cfg}", "--embedded")
 
 
 def test_wav_that_is_not_audio(tmp_path):
@@ -50,7 +50,7 @@ def test_scenario_with_missing_audio(tmp_path):
     sc = tmp_path / "s.yaml"
     sc.write_text("events:\n  - at: 0.5\n    say: nowhere.wav\n    text: hi\n")
     r = appliance("replay", str(sc), "--out", str(tmp_path / "o"), "--embedded")
-    one_line_error(r, "nowhere.wav", "not found")
+    one_line_error(r, f"{sc}: event 1: ", "nowhere.wav", "not found")  # the scenario, the event, the file
 
 
 def test_text_only_model_needs_transcripts(tmp_path):
@@ -171,6 +171,11 @@ def test_devices_and_doctor_name_the_config_file_given(tmp_path):
     r = appliance("devices", "--config", str(broken))
     assert r.returncode == 2 and "Traceback" not in r.stderr  # a listing still lists ...
     assert r.stderr.startswith("warning: ") and str(broken) in r.stderr  # ... but says the config is broken
+    absent = tmp_path / "absent.yaml"
+    absent.write_text("audio:\n  input: No Such Microphone XYZ\n")
+    r = appliance("devices", "--config", str(absent))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "warning:" not in r.stdout
+    assert "No Such Microphone XYZ" in r.stderr and f"set audio.input in {absent}" in r.stderr
     mine = tmp_path / "mine.yaml"
     mine.write_text("model:\n  gguf: /nonexistent/model.gguf\n")
     r = appliance("doctor", "--config", str(mine))

@@ -409,9 +409,9 @@ def list_devices(timeout: float = 15.0) -> dict:
     return data
 
 
-def describe_devices(cfg=None) -> tuple[str, bool]:
-    """A table of sound devices, marking the ones ``cfg.audio.input``/``output`` select, and whether both
-    of those were found (True without ``cfg``)."""
+def describe_devices(cfg=None) -> tuple[str, list[str]]:
+    """A table of sound devices, marking the ones ``cfg.audio.input``/``output`` select, and a line for
+    each of those that is not there (none without ``cfg``)."""
     data = list_devices()
     devs = data["devices"]
     chosen: dict[str, Optional[int]] = {}
@@ -421,7 +421,7 @@ def describe_devices(cfg=None) -> tuple[str, bool]:
             try:
                 chosen[kind] = match_device(devs, getattr(cfg.audio, kind), kind, data.get(f"default_{kind}"))["index"]
             except DeviceNotFound as exc:
-                notes.append(f"warning: {exc}")
+                notes.append(str(exc))
     lines = []
     for d in devs:
         marks = [k for k, v in chosen.items() if v == d["index"]]
@@ -430,7 +430,7 @@ def describe_devices(cfg=None) -> tuple[str, bool]:
                      + (f"  <- {', '.join(marks)}" if marks else ""))
     if not lines:
         lines.append("no sound devices found")
-    return "\n".join(lines + notes), not notes
+    return "\n".join(lines), notes
 
 
 def _child_env() -> dict:

@@ -30,7 +30,7 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE) -> np.ndarray:
 
     path = Path(path)
     if path.is_dir():
-        raise UserError(f"{path}: is a directory; give an audio file (WAV, FLAC or OGG) or a scenario .yaml")
+        raise UserError(f"{path}: is a directory; give an audio file (WAV, FLAC or OGG)")
     if not path.is_file():
         raise UserError(f"{path}: audio file not found; check the path (relative paths in a scenario are relative to the scenario file)")
     try:

@@ -178,7 +178,10 @@ class Scenario:
             text = ev.get("text")
             if text is not None and not isinstance(text, str):
                 raise UserError(f"{where}: `text` must be a string (the transcript)")
-            audio = load_audio(base / ev["say"])
+            try:
+                audio = load_audio(base / ev["say"])
+            except UserError as exc:
+                raise UserError(f"{where}: {exc}") from None
             events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
                                             delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0))))
         room = RoomSpec()

@@ -5,7 +5,7 @@ Runs the real engine for 50 turns on two models and reports, per model:
 - ``prefill_tokens``: tokens evaluated for the user's part of turns 1, 10 and 50 (flat = only the new
   tokens are pre-filled; nothing already in the KV cache is evaluated again);
 - ``turn_latency_ratio_50_to_1``: time to first token at turn 50 over turn 1, measured in the same run
-  (each the median of three turns, 48-50 and 1-3);
+  (each the median of three turns, 48-50 and 1-3; with ``--turns N``, the keys say N and the last three);
 - ``cancel_to_idle_ms``: from ``cancel()`` during generation to the engine being idle with the reply
   committed (p50/p95 over several cancellations);
 - ``kv_bytes_per_token``: KV cache bytes per position for an f16 and a q4_0 cache
@@ -145,9 +145,11 @@ def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 
         "input": "audio" if audio else "text",
         "prefill_tokens": prefill,
         # Turn latency = time to first token (the user's wait). One turn is noisy on a shared machine, so
-        # each end is the median of three turns: 1-3 and 48-50.
-        "turn_latency_ratio_50_to_1": round(statistics.median(ttft[-3:]) / statistics.median(ttft[:3]), 3) if len(ttft) >= 3 else None,
-        "ttft_ms": {"turns_1_to_3": [round(x, 1) for x in ttft[:3]], "turns_48_to_50": [round(x, 1) for x in ttft[-3:]],
+        # each end is the median of three turns: 1-3 and 48-50 (the keys name the turns of a --turns run).
+        f"turn_latency_ratio_{n_turns}_to_1": round(statistics.median(ttft[-3:]) / statistics.median(ttft[:3]), 3)
+        if len(ttft) >= 6 else None,
+        "ttft_ms": {f"turns_1_to_{min(3, n_turns)}": [round(x, 1) for x in ttft[:3]],
+                    f"turns_{max(1, n_turns - 2)}_to_{n_turns}": [round(x, 1) for x in ttft[-3:]],
                     "median_all": round(statistics.median(ttft), 1)},
         "n_past_after": engine.n_past,
         "full_reprefill_at_last_turn": {"tokens": reprefill_tokens, "ms": round(reprefill_ms, 1),
