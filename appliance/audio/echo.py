@@ -202,14 +202,14 @@ class EchoCanceller:
         self.busy_s += time.perf_counter() - t0
         near, out_f = self._near[:need].reshape(n, FRAME), out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
+        e_far = _energy(self._far[:need].reshape(n, FRAME))
         self.clamped += _never_louder(out_f, e_out, e_in)
         hb_in = _high_band_energy(near)
         hb_out = _high_band_energy(out_f)
         for i in range(n):
-            sl = slice(i * FRAME, (i + 1) * FRAME)
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
-            self._ratio_far.append(float(np.dot(self._far[sl], self._far[sl])))
+            self._ratio_far.append(float(e_far[i]))
             self._hb_in.append(float(hb_in[i]))
             self._hb_out.append(float(hb_out[i]))
             if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
