@@ -133,7 +133,7 @@ def _load_llama(path: Path, **kw):
     import llama_cpp.llama_cpp as lc
 
     with _PARAMS_LOCK:
-        original = lc.llama_context_default_params
+        original, original_model = lc.llama_context_default_params, lc.llama_model_default_params
 
         def two_sequences():
             params = original()
@@ -141,11 +141,30 @@ def _load_llama(path: Path, **kw):
             params.kv_unified = True
             return params
 
+        def model_params():
+            params = original_model()
+            if _cpu_has_amx():
+                params.use_extra_bufts = False  # see _cpu_has_amx
+            return params
+
         lc.llama_context_default_params = two_sequences
+        lc.llama_model_default_params = model_params
         try:
             return llama_cpp.Llama(model_path=str(path), **kw)
         finally:
             lc.llama_context_default_params = original
+            lc.llama_model_default_params = original_model
+
+
+def _cpu_has_amx() -> bool:
+    """Whether llama.cpp runs on Intel AMX here. Its AMX matrix multiply (an "extra buffer type" for the
+    weights) crashed the process (SIGSEGV in ``ggml_backend_amx_mul_mat``) on the first decode of the
+    embedded Gemma 3 270M, with llama-cpp-python 0.3.36 built natively on a Xeon with AMX-INT8; without
+    the extra buffer types it runs. A Pi 5 has no AMX: there the extra types (ARM repacking) stay on."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return b"AMX_INT8 = 1" in (info if isinstance(info, bytes) else str(info).encode())
 
 
 class _Rebuild:
