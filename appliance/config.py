@@ -109,6 +109,7 @@ class EchoConfig(_Section):
     noise_suppression: bool = True
     high_pass_filter: bool = True
     onset_gate_db: float = Field(-10.0, ge=-60.0, le=0.0)
+    stand_in: bool = True  # speex: WebRTC AEC3 (livekit) serves until Speex has shown convergence
 
 
 LedState = Literal["starting", "loading", "listening", "thinking", "speaking", "interrupted", "muted", "error",

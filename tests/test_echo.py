@@ -215,6 +215,7 @@ def test_strict_near_end_test_needs_both_bands_and_a_far_end():
     """near_end_clear (behind the VAD's early onsets) on set frame energies: both bands must pass at once,
     the broadband one without its soft second chance, and only while the far end plays."""
     ec = EchoCanceller("speex", gate_db=-10.0)
+    ec.warm = True  # shown converged (the cold start's rules: test_a_cold_canceller_never_lets_...)
     ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
     ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200
 
@@ -272,3 +273,61 @@ def test_a_filter_left_with_no_echo_path_does_not_speak_into_the_microphone(part
     e_in = np.sum(mic2[: len(out)].reshape(-1, FRAME).astype(np.float64) ** 2, axis=1)
     assert np.all(e_out <= e_in * 10 ** (OVER_DB / 10) * 1.0001 + 1e-12)  # never much louder than the microphone
     assert opened == 0
+
+
+def _first_reply(far, gain_db, ir=True, **kw):
+    """A fresh canceller (as after a start) meets ``far`` through the room: (Silero windows that scored 0.5
+    with the onset gate open, the canceller). ``gain_db`` None: no echo path."""
+    pos = [0]
+
+    def read(n):
+        x = far[pos[0] : pos[0] + n]
+        pos[0] += n
+        return np.pad(x, (0, n - len(x)))
+
+    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=gain_db, echo_delay_ms=30.0,
+                                               impulse_response=synthetic_ir(150.0) if ir else None)),
+                         read, lambda mic, f: None, on_event=lambda r: None, paced=False)
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0, **kw)
+    vad, buf, opened = SileroVad(), np.zeros(0, np.float32), 0
+    for _ in range(len(far) // FRAME):
+        room.tick()
+        buf = np.concatenate([buf, ec.process(room.mic[-1], room.output[-1])])
+        while len(buf) >= 512:
+            w, buf = buf[:512], buf[256:]
+            opened += vad.probability(w) >= 0.5 and ec.near_end_present()
+    return opened, ec
+
+
+@pytest.mark.parametrize("gain_db,ir", [(-20.0, True), (0.0, True), (6.0, True), (0.0, False), (6.0, False)])
+def test_a_cold_canceller_never_lets_the_first_reply_through(far_end, gain_db, ir):
+    """The first reply after a start, nobody talking: Speex has not converged, and before the per-band
+    convergence test its output reached Silero as speech with the gate open within 0.1 s of the reply in
+    every case (measured here: 40 of 40 replies, 5 texts at -20 to +6 dB, with and without the IR). Now
+    the AEC3 stand-in serves until Speex has shown convergence, then hands over."""
+    opened, ec = _first_reply(far_end, gain_db, ir)
+    assert opened == 0
+    assert ec.stand_in_frames > 100  # the stand-in served the first second at least ...
+    assert ec.handovers == 1 and ec.warm  # ... and Speex took over once it had converged, for good
+
+
+def test_without_the_stand_in_a_cold_canceller_refuses_every_onset(far_end):
+    """``echo.stand_in: false``: until Speex has shown convergence, the gate refuses every window. (At +6 dB
+    this room clips the reply's peaks, a distorting speaker, and a window of Speex's output passed the
+    converged gate's high-band test 7 s in, after the hand-over: the known weakness of that test.)"""
+    opened, ec = _first_reply(far_end, 0.0, stand_in=False)
+    assert opened == 0 and ec.stand_in_frames == 0
+    assert ec.handovers == 1 and ec.warm
+
+
+def test_a_band_with_no_echo_is_not_cold():
+    """No echo path (headphones, the demo's room): a band whose microphone stays 40 dB under the far end has
+    nothing to converge on, so it does not hold the gate shut (the user could never barge in otherwise)."""
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    rng = np.random.default_rng(5)
+    far = (0.1 * rng.standard_normal(16000)).astype(np.float32)
+    mic = (10 ** (-70 / 20) * rng.standard_normal(16000)).astype(np.float32)  # a quiet room, no echo
+    for i in range(0, 16000, FRAME):
+        ec.process(mic[i : i + FRAME], far[i : i + FRAME])
+    assert all(erl < -40.0 for erl in ec.band_return_loss_db())
+    assert ec.converged() and ec.warm and not ec.is_cold()

@@ -23,11 +23,24 @@ An output frame more than ``OVER_DB`` louder than its input is the filter's own 
 is not there (after double talk, or when the echo path goes away): it is scaled down to the input, and the
 onset gate stays shut over it (:func:`_never_louder`).
 
+Cold start. Speex's adaptive filter needs seconds of the appliance's own speech to converge (2.5-3.5 s of
+a Piper reply here), and until it has, its output/input ratio cannot tell the user from the echo: the
+first reply after a start paused itself on its own voice. So convergence is measured, not assumed: per
+band (``BAND_EDGES_HZ``), over the frames in which the far end played in that band, the echo floor
+(:meth:`EchoCanceller.band_floors_db`) and the echo path's gain (:meth:`EchoCanceller.band_return_loss_db`,
+to tell a band with no echo from an unconverged one). A window whose energy sits in bands not shown
+converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first convergence, never passes the
+Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
+(:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
+suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
+for good: a new echo path (a device reopened, a reload) gets a new canceller. A chime at start-up was
+measured as the other cure and rejected: Speex converged on the chime's bands reads as converged while speech bands are not,
+and a noise burst left the filter worse for speech than no sound at all.
+
 The far end is what the output callback actually played; the near end is the microphone. On the
 simulated room the far-end block handed with each microphone block is exactly the block that was played
-at that instant; on sound devices the two streams are aligned with their own timing
-(:func:`stream_delay_ms` from ``time_info.outputBufferDacTime`` / ``inputBufferAdcTime``) and the delay is
-given to the canceller (:meth:`EchoCanceller.set_delay_ms`).
+at that instant. On sound devices it is the block the output callback played last, and the delay between
+the streams is left to the canceller (Speex models ``tail_ms`` of echo path; AEC3 estimates the delay).
 
 Measured here (x86_64, 2 cores, linear echo path, Piper speech as far end): see ``appliance bench
 interruption`` (``erle_db``) and ``tests/test_echo.py``.
@@ -59,8 +72,17 @@ HB_MARGIN_DB = 22.0  # ... and at least this far above the high band's own echo 
 HB_MAX_DB = -6.0  # a threshold above this (a floor above -28 dB: the canceller leaves much of the high band) turns it off
 HB_MIN_POWER = 10 ** (-80 / 10)  # ... over a high band with at least this mean power per sample (−80 dBFS)
 HB_MIN_REL_DB = -10.0  # ... and at most this far below the microphone's usual high band while the far end plays
+BAND_EDGES_HZ = (0.0, 500.0, 1000.0, HB_HZ, RATE / 2 + 1)  # the bands whose convergence is measured one by one
+FAR_BAND_ACTIVE = 10 ** (-65 / 10)  # mean far-end power per sample in a band above which the band counts as played
+COLD_DB = GATE_MAX_DB - GATE_MARGIN_DB  # a window whose expected residual echo is above this is "cold" (-18 dB):
+#   the broadband threshold (floor + margin) would exceed its cap, so the ratio cannot tell the user from the echo
+NO_ECHO_DB = -40.0  # a band whose microphone energy stays this far under the far end's has no echo to cancel
+#   (headphones, a speaker in another room): echo there would sit 60 dB under a -20 dBFS reply, under Silero's notice
+WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in
 _HANN = np.hanning(FRAME).astype(np.float32)
-_HB_BINS = np.fft.rfftfreq(FRAME, 1.0 / RATE) >= HB_HZ
+_FREQS = np.fft.rfftfreq(FRAME, 1.0 / RATE)
+_BAND_OF_BIN = np.digitize(_FREQS, BAND_EDGES_HZ[1:-1])  # bin -> band index 0..3
+N_BANDS = len(BAND_EDGES_HZ) - 1
 BACKENDS = ("webrtc", "speex")
 
 
@@ -125,7 +147,9 @@ class EchoCanceller:
     :param high_pass_filter: WebRTC's high-pass filter (ignored by Speex).
     :param tail_ms: Speex filter length, ms (ignored by WebRTC, whose AEC3 estimates the delay itself).
     :param record: keep every processed frame (near in, far, out) for ERLE measurements; memory grows by
-        3 × 640 bytes per 10 ms, so only for benchmarks and tests.
+        3 × 640 bytes per 10 ms, so only for benchmarks and tests (:meth:`clear_records`).
+    :param stand_in: with Speex, let WebRTC AEC3 serve the VAD and the onset gate until Speex has shown
+        convergence (:attr:`stand_in_active`); False: the onset gate refuses every window until then.
     :raises UserError: an unknown backend or its package is missing.
 
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
@@ -135,7 +159,7 @@ class EchoCanceller:
     """
 
     def __init__(self, backend: str = "webrtc", noise_suppression: bool = False, high_pass_filter: bool = True,
-                 tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0):
+                 tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0, stand_in: bool = True):
         if backend == "webrtc":
             self._impl = _WebRtcAec3(noise_suppression, high_pass_filter)
         elif backend == "speex":
@@ -143,6 +167,14 @@ class EchoCanceller:
         else:
             raise UserError(f"echo.backend: unknown canceller {backend!r}; use one of {', '.join(BACKENDS)}")
         self.backend = backend
+        # The cold-start stand-in (see stand_in_active): WebRTC AEC3 beside Speex until Speex has shown, band
+        # by band, that it cancels the echo. Without it (stand_in False, or no livekit), cold windows are
+        # refused by the onset gate.
+        self._stand_in: Optional[EchoCanceller] = None
+        self._stand_in_ready = bool(stand_in) and backend == "speex"  # wanted (False once it proved unavailable)
+        self.stand_in_frames = 0  # frames the stand-in's output went to the VAD
+        self.handovers = 0  # stand-in -> Speex hand-overs
+        self.warm = backend == "webrtc"  # Speex starts cold (see _update_mode)
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
         # tail it models; 200 ms for WebRTC, whose AEC3 does not say.
@@ -167,10 +199,25 @@ class EchoCanceller:
         self._lt_out: list[float] = []
         self._lt_hb_in: list[float] = []
         self._lt_hb_out: list[float] = []
+        # Per band (BAND_EDGES_HZ): the microphone's band energy of recent frames, and energy in and out over
+        # recent frames in which the far end played in that band: each band's own echo floor.
+        self._band_in: list[np.ndarray] = []
+        self._band_far: list[np.ndarray] = []
+        self._lt_band_in: list[list[float]] = [[] for _ in range(N_BANDS)]
+        self._lt_band_out: list[list[float]] = [[] for _ in range(N_BANDS)]
+        self._lt_band_far: list[list[float]] = [[] for _ in range(N_BANDS)]
         # (frame, ratio_db, threshold_db, passed, hb_ratio_db, hb_threshold_db, hb_level_db), if record
         self.gate_log: list[tuple] = []
         self.clear_log: list[tuple] = []  # the same for near_end_clear (passed = both tests), if record
+        self.cold_log: list[tuple] = []  # (frame, expected residual dB) of the cold windows the gate refused, if record
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
+
+    def clear_records(self) -> None:
+        """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
+        self.recorded.clear()
+        self.gate_log.clear()
+        self.clear_log.clear()
+        self.cold_log.clear()
 
     def set_delay_ms(self, ms: float) -> None:
         """The delay from a far-end frame being handed over to its echo reaching the canceller, ms (only
@@ -195,32 +242,47 @@ class EchoCanceller:
         if len(self._far) < need:
             self._far = np.concatenate([self._far, np.zeros(need - len(self._far), dtype=np.float32)])
         out = np.empty(need, dtype=np.float32)
+        near, far = self._near[:need].reshape(n, FRAME), self._far[:need].reshape(n, FRAME)
+        e_far = _energy(far)
         t0 = time.perf_counter()
         for i in range(n):
             sl = slice(i * FRAME, (i + 1) * FRAME)
             out[sl] = self._impl.frame(self._near[sl], self._far[sl])
         self.busy_s += time.perf_counter() - t0
-        near, out_f = self._near[:need].reshape(n, FRAME), out.reshape(n, FRAME)
+        out_f = out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
-        e_far = _energy(self._far[:need].reshape(n, FRAME))
         self.clamped += _never_louder(out_f, e_out, e_in)
-        hb_in = _high_band_energy(near)
-        hb_out = _high_band_energy(out_f)
+        b_in, b_out, b_far = _band_energies(near), _band_energies(out_f), _band_energies(far)
+        hb_in, hb_out = b_in[:, -1], b_out[:, -1]  # the last band is the high band (>= HB_HZ)
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
             self._ratio_far.append(float(e_far[i]))
             self._hb_in.append(float(hb_in[i]))
             self._hb_out.append(float(hb_out[i]))
+            self._band_in.append(b_in[i])
             if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
                 self._lt_in.append(self._ratio_in[-1])
                 self._lt_out.append(self._ratio_out[-1])
                 self._lt_hb_in.append(self._hb_in[-1])
                 self._lt_hb_out.append(self._hb_out[-1])
-        for buf in (self._ratio_in, self._ratio_out, self._ratio_far, self._hb_in, self._hb_out):
+            self._band_far.append(b_far[i])
+            if self.warm:
+                continue  # the bands' floors only decide the hand-over, which is done
+            for b in np.nonzero(b_far[i] >= FAR_BAND_ACTIVE * FRAME)[0]:
+                self._lt_band_in[b].append(float(b_in[i, b]))
+                self._lt_band_out[b].append(float(b_out[i, b]))
+                self._lt_band_far[b].append(float(b_far[i, b]))
+        for buf in (self._ratio_in, self._ratio_out, self._ratio_far, self._hb_in, self._hb_out, self._band_in,
+                    self._band_far):
             del buf[:-64]
-        for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out):
+        for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out, *self._lt_band_in,
+                    *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
+        self._update_mode(n)
+        if self._stand_in_fed():
+            out = self._stand_in.process(self._near[:need], self._far[:need])
+            self.stand_in_frames += n
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -230,6 +292,94 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * RATE):]
         return out
+
+    # --- convergence, band by band, and the cold-start stand-in ---
+
+    def band_floors_db(self) -> list[Optional[float]]:
+        """Each band's echo floor (BAND_EDGES_HZ), dB: :func:`_floor_db` over the frames in which the far end
+        played in that band; None for a band with less than 0.5 s of such frames (not shown converged)."""
+        return [_floor_db(o, i) for o, i in zip(self._lt_band_out, self._lt_band_in)]
+
+    def band_return_loss_db(self) -> list[Optional[float]]:
+        """Each band's microphone-to-far-end energy ratio over the same frames as :meth:`band_floors_db`, dB:
+        an upper bound of the echo path's gain in that band (noise and a user only add to the microphone);
+        None where the floor is None."""
+        return [_floor_db(i, f) for i, f in zip(self._lt_band_in, self._lt_band_far)]
+
+    def _band_residuals(self) -> np.ndarray:
+        """Per band, the share of the microphone's energy expected to be left as echo: the floor as a power
+        ratio, 1 for a band not shown converged, 0 for a band with no echo path (``NO_ECHO_DB``)."""
+        res = np.ones(N_BANDS)
+        for b, (floor, erl) in enumerate(zip(self.band_floors_db(), self.band_return_loss_db())):
+            if erl is not None and erl <= NO_ECHO_DB:
+                res[b] = 0.0
+            elif floor is not None:
+                res[b] = 10 ** (floor / 10)
+        return res
+
+    def expected_residual_db(self, n: int = 512) -> Optional[float]:
+        """What the canceller, as measured so far, should leave of the echo in the last ``n`` samples, relative
+        to the microphone's energy, dB: each band's expected residual (its floor, 0 dB for a band not yet
+        shown converged, nothing for a band with no echo path; :meth:`band_floors_db`,
+        :meth:`band_return_loss_db`) weighted by the microphone's energy in that band (by the far end's where
+        the microphone is digitally silent). None before any frame or when neither carries any energy."""
+        if not self._band_in:
+            return None
+        k = max(1, n // FRAME)
+        weights = np.sum(self._band_in[-k:], axis=0)
+        if weights.sum() < 1e-12:
+            weights = np.sum(self._band_far[-k:], axis=0)
+            if weights.sum() < 1e-12:
+                return None
+        return _ratio_db(float(np.dot(self._band_residuals(), weights)), float(weights.sum()))
+
+    def is_cold(self, n: int = 512) -> bool:
+        """True when the canceller has not shown, on live far-end audio, that it removes the echo of the last
+        ``n`` samples: their :meth:`expected_residual_db` is above ``COLD_DB`` (after a start, before 0.5 s
+        of the far end in the bands the window's energy is in, and until those bands converge). The
+        output/input ratio cannot then tell the user from the echo: before the first convergence the onset
+        gate refuses the window (after it, the converged gate decides, as a user's speech raises the floors
+        too)."""
+        e = self.expected_residual_db(n)
+        return e is not None and e > COLD_DB
+
+    def converged(self) -> bool:
+        """Speex has shown, band by band on live far-end audio, that it cancels the echo: every band's
+        expected residual (:meth:`_band_residuals`) is known and at or below ``WARM_DB``."""
+        floors = self.band_floors_db()
+        return all(f is not None for f in floors) and bool(np.all(self._band_residuals() <= 10 ** (WARM_DB / 10)))
+
+    @property
+    def stand_in_active(self) -> bool:
+        """True while the cold-start stand-in (WebRTC AEC3) serves the VAD and the onset gate in place of
+        Speex: from the start until :meth:`converged`. AEC3 keeps our own
+        echo out of the VAD from its first frame (its suppressor starts conservative), at the price of
+        holding back a user's first 100-200 ms, so a barge-in is slower until the hand-over but the reply
+        never pauses on itself."""
+        return not self.warm and self._stand_in is not None
+
+    def _update_mode(self, n: int) -> None:
+        """Hand over from the stand-in to Speex once :meth:`converged`, for good: from then on the
+        converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
+        the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
+        measured here. A new echo path gets a new canceller: a device reopened, a reload.)"""
+        if self.warm:
+            return
+        if self.converged():
+            self.warm, self._stand_in = True, None
+            self.handovers += 1
+            return
+        if self._stand_in is None and self._stand_in_ready:
+            try:
+                self._stand_in = EchoCanceller("webrtc", noise_suppression=False, high_pass_filter=True,
+                                               gate_db=self.gate_db, stand_in=False)
+            except UserError:
+                self._stand_in_ready = False  # no livekit: cold windows are refused by the onset gate
+
+    def _stand_in_fed(self) -> bool:
+        """Whether the stand-in processes the frames now: while it is active and the far end played within
+        the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
+        return self.stand_in_active and self._far_energy_recent(RATE) >= 1e-9
 
     def near_end_ratio_db(self, n: int = 512) -> Optional[float]:
         """Output-to-input energy ratio over the last ``n`` processed samples, dB: about −ERLE while only
@@ -321,10 +471,17 @@ class EchoCanceller:
         at −6 and 0 dB, echo at 0 and +6 dB) the user's first windows sat at −16 to +3 dB, and the barge-in
         p50/p95 went from 99/176 ms (broadband test alone) to 68/116 ms.
         """
+        if self.stand_in_active and self._stand_in.frames:
+            return self._stand_in.near_end_present(n)
         t = self._band_tests(n)
         if t is None:
             return True
         r, threshold, hb, hb_threshold, level, hb_passed = t
+        if not self.warm and self.is_cold(n):
+            self._last_soft = None
+            if self.record:
+                self.cold_log.append((self.frames, round(float(self.expected_residual_db(n)), 1)))
+            return False
         # A ratio just under the threshold passes when the previous check, one VAD hop (16 ms) earlier, was
         # also within GATE_SOFT_DB of it: a user's onset under louder echo keeps the ratio up from window to
         # window, while the echo's excursions (the canceller momentarily behind) last one window.
@@ -350,6 +507,8 @@ class EchoCanceller:
         A user's "s" or "st" passes both within 20–60 ms of its onset, while Silero still scores it
         0.05–0.45, until the vowel 100–150 ms later.
         """
+        if not self.warm:
+            return False  # no early onsets until Speex has shown convergence
         t = self._band_tests(n)
         if t is None:
             return False
@@ -444,12 +603,16 @@ def _never_louder(out: np.ndarray, e_out: np.ndarray, e_in: np.ndarray) -> int:
     return int(over.sum())
 
 
-def _high_band_energy(frames: np.ndarray) -> np.ndarray:
-    """Energy above ``HB_HZ`` of each row of ``frames`` (float32 [n, FRAME]), Hann-windowed, scaled so that
-    a white signal's band energy is its share of ``sum(x**2)``."""
+def _band_energies(frames: np.ndarray) -> np.ndarray:
+    """Energy of each row of ``frames`` (float32 [n, FRAME]) in each band of ``BAND_EDGES_HZ``, Hann-windowed,
+    scaled so that a white signal's band energy is its share of ``sum(x**2)``; float64 [n, N_BANDS]. The
+    last band is the high band (>= ``HB_HZ``) of the onset gate's second test."""
     spec = np.fft.rfft(frames * _HANN, axis=1)
-    power = spec.real ** 2 + spec.imag ** 2
-    return 2.0 * power[:, _HB_BINS].sum(axis=1) / (FRAME * 0.375)
+    power = (spec.real ** 2 + spec.imag ** 2) * (2.0 / (FRAME * 0.375))
+    out = np.zeros((len(frames), N_BANDS))
+    for b in range(N_BANDS):
+        out[:, b] = power[:, _BAND_OF_BIN == b].sum(axis=1)
+    return out
 
 
 def erle_db(near: np.ndarray, out: np.ndarray, mask: Optional[np.ndarray] = None) -> Optional[float]:
@@ -481,4 +644,4 @@ def from_config(cfg, record: bool = False) -> Optional[EchoCanceller]:
     if not e.enabled:
         return None
     return EchoCanceller(e.backend, noise_suppression=e.noise_suppression, high_pass_filter=e.high_pass_filter,
-                         record=record, gate_db=e.onset_gate_db)
+                         record=record, gate_db=e.onset_gate_db, stand_in=e.stand_in)
