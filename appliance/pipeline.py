@@ -94,8 +94,21 @@ class Listener:
         self._n = 0
         self._captured = self._done = 0
         self._onset_sample = 0
+        self._bind_gate()
         self._thread = threading.Thread(target=self._run, name="listener", daemon=True)
         self._thread.start()
+
+    def _bind_gate(self) -> None:
+        """The segmenter's onset gate from the canceller: an onset must not be mostly our own echo
+        (``near_end_present``), and a low-scored window starts one only if it is surely the user
+        (``near_end_clear``)."""
+        e = self.echo
+        self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None))
+
+    def use_echo(self, echo) -> None:
+        """Replace the echo canceller (None: none) from the next block on, in the listener's own thread: a
+        device reopened or a reload rebuilt it, so the echo path is new and the canceller starts cold."""
+        self._q.put(("echo", echo))
 
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
@@ -115,6 +128,10 @@ class Listener:
             item = self._q.get()
             if item is None:
                 return
+            if isinstance(item[0], str):  # ("echo", canceller): a control message, not audio
+                self.echo = item[1]
+                self._bind_gate()
+                continue
             try:
                 self._process(*item)
             finally:
@@ -284,10 +301,6 @@ class Session:
             from .audio.echo import from_config
 
             echo = from_config(cfg)
-        if echo is not None and hasattr(echo, "near_end_present"):
-            self.segmenter.onset_gate = echo.near_end_present  # an onset must not be mostly our own echo
-        if echo is not None and hasattr(echo, "near_end_clear"):
-            self.segmenter.onset_evidence = echo.near_end_clear  # ... and is surely the user: onset at 0.2
         self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
         self.conversation.subscribe(self._on_state)
 

@@ -6,7 +6,8 @@
   (conversation, listener, engine, TTS, audio supervisor) are alive; a hung service is restarted by systemd.
 - ``STATUS=...`` on every state change worth a look in ``systemctl status``.
 - ``SIGHUP`` (``systemctl reload``) reloads config.yaml: a valid new config is applied without dropping
-  the conversation (the engine keeps its history): sound devices reopened, VAD thresholds, barge-in
+  the conversation (the engine keeps its history): sound devices reopened, the echo canceller rebuilt
+  (cold: see audio/echo.py), VAD thresholds, barge-in
   timing, voice, LED and button pins; a new model loads in the background and takes over, with the
   history, when ready. An invalid config is rejected as a whole: the running config stays, the log says
   why in one line, and the LEDs show ``config_error`` for a few seconds.
@@ -88,20 +89,6 @@ class MuteStore:
             log.error("cannot save the mute switch to %s (%s); it will not survive a restart", self.path, exc)
 
 
-def _make_echo(cfg: Config):
-    if not cfg.echo.enabled:
-        return None
-    try:
-        from .audio.echo import EchoCanceller
-
-        e = cfg.echo
-        return EchoCanceller(getattr(e, "backend", "webrtc"), noise_suppression=getattr(e, "noise_suppression", False),
-                             high_pass_filter=getattr(e, "high_pass_filter", True))
-    except Exception as exc:
-        log.warning("echo cancellation off: %s", exc)
-        return None
-
-
 class Service:
     """The appliance on sound devices around loaded :class:`~appliance.pipeline.Parts`.
 
@@ -121,7 +108,7 @@ class Service:
         self.pin_factory = pin_factory
         self.mute = MuteStore(cfg.storage.state_dir)
         self.indicators = indicators if indicators is not None else ind.create(cfg.gpio, self._post, pin_factory)
-        self.session = Session(cfg, parts, out_rate=PLAYBACK_RATE, echo=_make_echo(cfg))
+        self.session = Session(cfg, parts, out_rate=PLAYBACK_RATE)  # its canceller: echo.from_config
         conv = self.session.conversation
         conv.keep_muted = self.mute.value
         if self.mute.value:
@@ -164,6 +151,11 @@ class Service:
                 self.ready_posted = True
                 self._post("ready")
             else:
+                # A reopened device is a new echo path (another latency, maybe another card): a new,
+                # cold canceller, so the stand-in serves until it has converged on it.
+                from .audio.echo import from_config
+
+                self.session.listener.use_echo(from_config(self.cfg))
                 self._post("recovered", device=info.get("output"))
         elif kind == "lost":
             self._post("stop_reply", source="device lost")
@@ -232,6 +224,10 @@ class Service:
                     raise UserError("model.mmproj: a model that hears needs its audio projector; set model.mmproj")
                 if p and not Path(p).is_file():
                     raise UserError(f"{p}: model.{key} not found; check the path")
+        if new.echo != old.echo:
+            from .audio.echo import from_config
+
+            out["echo"] = from_config(new)  # a missing backend package fails here, before anything changes
         if new.interruption != old.interruption:
             from .turns import turn_taker_from_config
 
@@ -286,8 +282,9 @@ class Service:
             self.mute = MuteStore(new.storage.state_dir)
             self.mute.save(s.conversation.keep_muted)
             changed.append("storage")
-        if new.echo != old.echo:
-            changed.append("echo (applies at the next start)")
+        if "echo" in prepared:
+            s.listener.use_echo(prepared["echo"])  # a new canceller: cold, the stand-in serves until it converges
+            changed.append("echo")
         self.cfg = new if new.model == old.model else new.model_copy(update={"model": old.model})
         return changed
 

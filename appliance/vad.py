@@ -184,6 +184,13 @@ class VadSegmenter:
         self._history: list[np.ndarray] = []  # recent windows for lead-in
         self._settle_from: Optional[int] = None  # end of the last speech after an interjection, samples
 
+    def use_gate(self, onset_gate: Optional[Callable[[], bool]],
+                 onset_evidence: Optional[Callable[[], bool]] = None) -> None:
+        """Take the echo canceller's double-talk tests (:attr:`onset_gate`, :attr:`onset_evidence`), or none.
+        Call from the thread that pushes audio."""
+        self.onset_gate = onset_gate
+        self.onset_evidence = onset_evidence
+
     def reset(self) -> None:
         for v in self._streams:
             v.reset()

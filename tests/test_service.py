@@ -228,3 +228,45 @@ def test_reload_applies_vad_threshold_and_voice_without_losing_the_conversation(
         assert svc.session.tts_worker.tts.model_path == voice
     finally:
         svc.session.stop()
+
+
+def test_the_service_builds_its_canceller_from_the_config_and_a_new_echo_path_starts_it_cold(tmp_path):
+    """The service's canceller comes from ``echo.from_config`` like replay's and the benchmark's (it used to
+    build its own, without ``onset_gate_db``, with the webrtc backend as its default). A reload that
+    changes ``echo`` and a reopened sound device each give the listener a new, cold canceller, bound to the
+    VAD's onset gate. In process; the sound devices are not started."""
+    from appliance.config import load
+    from appliance.pipeline import Parts
+    from appliance.service import Service
+
+    cfg_path = _config(tmp_path)
+    data = yaml.safe_load(cfg_path.read_text())
+    data["echo"] = {"enabled": True, "backend": "speex", "onset_gate_db": -20.0}
+    cfg_path.write_text(yaml.safe_dump(data))
+    cfg = load(cfg_path)
+    svc = Service(cfg, Parts.load(cfg))
+    listener = svc.session.listener
+
+    def settled(old):
+        deadline = time.monotonic() + 5
+        while listener.echo is old and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return listener.echo
+
+    try:
+        first = listener.echo
+        assert first.backend == "speex" and first.gate_db == -20.0 and not first.warm
+        assert svc.session.segmenter.onset_gate == first.near_end_present
+        data["echo"]["onset_gate_db"] = -15.0
+        cfg_path.write_text(yaml.safe_dump(data))
+        assert svc.reload(cfg_path) is True and "echo" in svc.reloads[-1]["changed"]
+        second = settled(first)
+        assert second is not first and second.gate_db == -15.0 and not second.warm
+        assert svc.session.segmenter.onset_gate == second.near_end_present
+        svc._on_audio("open", {"output": "card"})  # the first open: ready, same canceller
+        assert listener.echo is second
+        svc._on_audio("open", {"output": "card"})  # reopened after a loss: a new echo path
+        third = settled(second)
+        assert third is not second and third.gate_db == -15.0 and third.frames == 0
+    finally:
+        svc.session.stop()
