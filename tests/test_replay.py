@@ -74,3 +74,24 @@ def test_interrupted_reply_is_remembered_as_spoken(demo_run, parts):
     hist = parts.engine.history
     assert hist[1].role == "model" and hist[1].text == flushed["spoken"].strip()
     assert hist[2].text == "Wait, stop."
+
+
+def test_the_first_reply_of_a_replay_does_not_pause_on_its_own_echo(tmp_path, parts, embedded_cfg):
+    """The product's own assembly from a cold start (``appliance replay``, in real time): one question in a
+    room with an echo path at the level of what is played. Before the per-band convergence test the reply
+    paused itself 5-6 times and flushed after a few words (issue 14's scenario)."""
+    parts.engine.forget()
+    scenario = tmp_path / "echo.yaml"
+    scenario.write_text(f"""events:
+  - at: 0.5
+    say: {DEMO / "question.wav"}
+    text: "What is a rainbow?"
+room:
+  echo_gain_db: 0
+  echo_delay_ms: 30
+  rt60_ms: 150
+""")
+    report = replay(scenario, tmp_path / "out", parts, embedded_cfg)
+    records = [json.loads(line) for line in (tmp_path / "out" / "timeline.jsonl").read_text().splitlines()]
+    assert report["turns"] and not report["turns"][0]["interrupted"]
+    assert not [r for r in records if r["event"] in ("interrupted", "flushed")]

@@ -18,9 +18,11 @@ Ground truth: the room knows where each injected sound starts and ends (first/la
 −40 dBFS); barge-in latency = the end of the output's last sample above −50 dBFS before the pause holds −
 the speech onset (:func:`audible_until_ms`; a natural gap in the reply does not count as the pause).
 
-The echo canceller is warmed up on 6 s of the appliance's voice through the same echo path before each
-scenario: on a device it runs continuously, so the first reply after boot is the only one it meets
-unconverged (that case is not in the suite).
+No hidden warm-up: the canceller starts as the product's does. Each room (an echo level, with or without
+the room's impulse response, or no echo path) starts with ``first_reply`` scenarios: a fresh session and a
+fresh canceller (the first reply after a start), one question and its whole reply with nobody talking
+over it, every pause counted. The rest of the room's scenarios then run, one after the other, on the
+canceller those replies left, as a running service's canceller has met the replies before (``later``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ SHORT_STOPS = ["Stop.", "Wait.", "No.", "Hold on."]
 NEXT_REPLY_STOP = "Wait, stop."  # the bundled demo's interjection
 ENDED_BY_ITSELF_S = 0.1  # a reply that ends this soon after the user's onset makes the scenario invalid
 ECHO_ONLY_RUNS = 5  # per echo level: a self-interrupt rate of a few percent showed in 1 of 20 extra runs
+FIRST_REPLY_LEVELS = (-20.0, -10.0, 0.0, 6.0)  # echo relative to the user's voice, dB, for the cold-start cases
+FIRST_REPLY_RUNS = 3  # per level and room (with and without the impulse response, and with no echo path)
 LONG_INTERRUPTIONS = ["Wait, I want to ask you something else about the moon.",
                       "No, actually, tell me about the ocean instead please."]
 
@@ -172,7 +176,7 @@ def make_noise(name: str, seed: int = 7) -> np.ndarray:
 
 @dataclass
 class Case:
-    kind: str  # barge_in | echo_only | noise | backchannel | short_stop | next_reply
+    kind: str  # first_reply | cold_barge_in | barge_in | echo_only | noise | backchannel | short_stop | next_reply
     label: str
     audio: Optional[np.ndarray]
     text: Optional[str]
@@ -180,10 +184,44 @@ class Case:
     echo_rel_db: float = 0.0  # echo level relative to the user's voice (USER_DBFS)
     user_rel_db: float = 0.0
     echo_path: bool = True  # False: no echo reaches the microphone (headphones; the bundled demo's room)
+    room_ir: bool = True  # the room's impulse response (RT60_MS) after the echo delay; False: a pure delay
+
+    @property
+    def cold(self) -> bool:
+        """The case starts the product afresh: a new canceller, as after a start."""
+        return self.kind in ("first_reply", "cold_barge_in")
+
+    @property
+    def room(self) -> tuple:
+        """The room the case plays in; the cases of one room share the canceller, as one service would."""
+        return (self.echo_rel_db if self.echo_path else None, self.room_ir if self.echo_path else None)
+
+
+def first_reply_cases(quick: bool = False) -> list[Case]:
+    """The cold-start cases: the first reply after a start, nobody talking over it, at each level of
+    ``FIRST_REPLY_LEVELS`` with and without the room's impulse response, and with no echo path."""
+    cases = []
+    runs = 1 if quick else FIRST_REPLY_RUNS
+    levels = (0.0, 6.0) if quick else FIRST_REPLY_LEVELS
+    for ir in (True, False):
+        for rel in levels:
+            for k in range(runs):
+                where = f"echo {rel:+.0f} dB" + ("" if ir else ", no IR")
+                cases.append(Case("first_reply", f"{where} #{k + 1}", None, None, 0.0, rel, room_ir=ir))
+    if not quick:
+        for k in range(runs):
+            cases.append(Case("first_reply", f"no echo path #{k + 1}", None, None, 0.0, 0.0, echo_path=False))
+    return cases
 
 
 def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
-    cases: list[Case] = []
+    """Every case, in the order they run: each room's first replies (cold) before its other cases."""
+    cases: list[Case] = first_reply_cases(quick)
+    # Barge-in while the canceller is still cold (the first reply after a start): what the cold start costs.
+    text = LONG_INTERRUPTIONS[1]
+    for k, voice in enumerate(VOICES[: 1 if quick else 3]):
+        cases.append(Case("cold_barge_in", f"{voice} '{text[:18]}…' at +0.8s, first reply",
+                          cache.speech(text, voice), text, 0.8, 0.0))
     points = (0.4, 0.9, 1.4)  # seconds after the reply's first audio (the embedded model's replies run 3-6 s)
     levels = (-6.0, 0.0, 6.0)
     for i, p in enumerate(points):
@@ -217,11 +255,18 @@ def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
         keep = {"barge_in": 3, "echo_only": 2, "noise": 2, "backchannel": 3, "short_stop": 3, "next_reply": 1}
         out, seen = [], {}
         for c in cases:
-            if seen.get(c.kind, 0) < keep[c.kind]:
+            if c.cold or seen.get(c.kind, 0) < keep[c.kind]:
                 out.append(c)
                 seen[c.kind] = seen.get(c.kind, 0) + 1
         cases = out
     return cases
+
+
+def reply_dbfs(tts) -> float:
+    """The active level of the appliance's replies as the playback buffer gets them (Piper through
+    :class:`~appliance.speech.Tts`, its volume included), dBFS: over a fixed sentence."""
+    text = "A rainbow is an arc of colours in the sky, made by sunlight shining through drops of rain."
+    return active_dbfs(np.concatenate(list(tts.synthesize(text))))
 
 
 def echo_gain_db(case: Case, reply_level_dbfs: float) -> float:
@@ -267,15 +312,6 @@ def next_reply_start(recs: list[dict], after: float) -> tuple[bool, str, float]:
     return True, "", spoke[0]
 
 
-def warm_up(echo, gain_db: float, voice_audio: np.ndarray) -> None:
-    """Converge the canceller on the appliance's voice through the bench's echo path (offline)."""
-    fir = np.concatenate([np.zeros(int(ECHO_DELAY_MS * MODEL_RATE / 1000)), synthetic_ir(RT60_MS)])
-    mic = (10 ** (gain_db / 20) * np.convolve(voice_audio, fir)[: len(voice_audio)]).astype(np.float32)
-    for i in range(0, len(mic) - 160, 160):
-        echo.process(mic[i : i + 160], voice_audio[i : i + 160])
-    echo.recorded.clear()
-
-
 @dataclass
 class Outcome:
     case: Case
@@ -299,12 +335,20 @@ class Outcome:
     early_onsets: int = 0  # candidates started below Silero's threshold on the strict near-end test
     segments: list = field(default_factory=list)  # (samples, played) per segment of the reply
     output: Optional[np.ndarray] = None
+    echo: object = None  # the canceller the case ran with (a room's later cases go on with it)
+    stand_in_ms: Optional[float] = None  # of the reply's audio, how much the cold-start stand-in served, ms
 
 
-def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, reply_level: float,
+def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=None,
              wait_turn_end: bool = False, question: Optional[np.ndarray] = None) -> Outcome:
-    """Run one scenario in real time. ``wait_turn_end``: run until the reply has ended (drained or
-    flushed) rather than one second after the barge-in decision."""
+    """Run one scenario in real time.
+
+    :param echo: the canceller to go on with (the room's, as a running service's has met the replies
+        before); None: a new one from ``cfg``, as after a start (what ``first_reply`` cases get). It is in
+        :attr:`Outcome.echo` afterwards.
+    :param wait_turn_end: run until the reply has ended (drained or flushed) rather than one second after
+        the barge-in decision.
+    """
     parts.engine.forget()
     gain = echo_gain_db(case, reply_level)
     q = QUESTION_AUDIO if question is None else question
@@ -312,11 +356,13 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     if case.audio is not None:
         events.append(ScriptedUtterance(case.audio, case.text, case.label, after="speaking", delay=case.delay_s))
     scenario = Scenario(events, RoomSpec(echo_gain_db=gain if case.echo_path else None, echo_delay_ms=ECHO_DELAY_MS,
-                                         impulse_response=synthetic_ir(RT60_MS)))
-    echo = from_config(cfg, record=True)
-    if echo is not None and case.echo_path:
-        warm_up(echo, gain, warm_voice)
+                                         impulse_response=synthetic_ir(RT60_MS) if case.room_ir else None))
+    if echo is None:
+        echo = from_config(cfg, record=True)
+    elif hasattr(echo, "clear_records"):
+        echo.clear_records()
     frame0 = echo.frames if echo is not None else 0
+    stand_in0 = getattr(echo, "stand_in_frames", 0)
     timeline = Timeline()
     holder: dict = {}
     clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
@@ -338,7 +384,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
             recs = timeline.records
             if case.kind == "next_reply":  # until the reply to the stop word has ended (or there is none)
                 done = session.conversation.idle.is_set()
-            elif case.kind == "echo_only" or wait_turn_end:
+            elif case.kind in ("echo_only", "first_reply") or wait_turn_end:
                 done = any(r["event"] in ("turn_end", "flushed") for r in recs)
             else:
                 done = any(r["event"] in ("resumed", "flushed", "turn_end") for r in recs[2:]) \
@@ -357,7 +403,9 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
     out = Outcome(case, recs, valid=True, vad_ms=list(session.segmenter.infer_ms),
                   segments=session.playback.segments_played(), output=output, gated=session.segmenter.gated,
                   verdicts=list(session.conversation.turn_taker.verdicts),
-                  early_onsets=session.segmenter.early_onsets)
+                  early_onsets=session.segmenter.early_onsets, echo=echo)
+    if echo is not None and hasattr(echo, "stand_in_frames"):
+        out.stand_in_ms = 10.0 * (echo.stand_in_frames - stand_in0)
     speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
     if case.audio is not None:
         out.valid, out.note = interjection_validity(recs, speech)
@@ -393,14 +441,14 @@ def run_case(case: Case, parts: Parts, cfg: Config, warm_voice: np.ndarray, repl
                 if (not speech or (f - frame0) * 10.0 < speech[0]["onset_t"] * 1000.0 - 50) and hb is not None
                 and lv is not None and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
         out.gate_both_headroom_db = round(min(both), 1) if both else None
-    if case.kind == "barge_in" and out.valid and speech and not out.flushed:
+    if case.kind in ("barge_in", "cold_barge_in") and out.valid and speech and not out.flushed:
         # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)
         drained = [r for r in recs if r["event"] == "turn_end" and not r.get("interrupted")]
         why = [f"onset gate refused {len(out.gate_near_onset)} window(s) near the onset"]
         if drained:
             why.append(f"the reply ended {1000.0 * (drained[0]['t'] - speech[0]['onset_t']):+.0f} ms after the onset")
         out.note = "; ".join(why)
-    if case.kind in ("barge_in", "short_stop") and speech:
+    if case.kind in ("barge_in", "short_stop", "cold_barge_in") and speech:
         b = [x for x in barge_ins(recs, output) if abs(x["onset_t"] - speech[0]["onset_t"]) < 1e-6]
         out.barge = b[0] if b else None
         if out.barge is not None:
@@ -437,7 +485,15 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     parts = {"long_barge_in": silent_ms(barge)}
     for rel in sorted({o.case.echo_rel_db for o in by("short_stop")}):
         parts[f"short_stop_echo_{rel:+.0f}db"] = silent_ms([o for o in by("short_stop") if o.case.echo_rel_db == rel])
-    echo_only, next_reply = by("echo_only"), by("next_reply")
+    echo_only, next_reply, first = by("echo_only"), by("next_reply"), by("first_reply")
+    later = echo_only + next_reply
+    cold_barge = by("cold_barge_in")
+    stand_in = [o.stand_in_ms for o in first if o.stand_in_ms is not None]
+
+    def pauses(os_: list[Outcome]) -> dict:
+        return {"count": sum(o.interrupted for o in os_), "replies_paused": sum(1 for o in os_ if o.interrupted),
+                "replies_flushed": sum(1 for o in os_ if o.flushed), "n": len(os_)}
+
     bc, ss, noise = by("backchannel"), by("short_stop"), by("noise")
     num = sum(o.erle_num for o in outcomes)
     den = sum(o.erle_den for o in outcomes)
@@ -447,9 +503,22 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
         "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
+        # what the cold start costs: the first reply's audio served by the stand-in, and a barge-in on it
+        "cold_start": {"stand_in_ms": {"p50": pct(stand_in, 50), "max": max(stand_in, default=None),
+                                       "n": len(stand_in)},
+                       "barge_in_ms": {"p50": pct(silent_ms(cold_barge), 50), "p95": pct(silent_ms(cold_barge), 95),
+                                       "n": len(silent_ms(cold_barge))},
+                       "missed_interrupts": {"count": sum(1 for o in cold_barge if not o.flushed),
+                                             "n": len(cold_barge)}},
         # echo-only replies, and the replies to a stop word (the barge-in's double talk just behind them)
-        "self_interrupts_echo": {"count": sum(1 for o in echo_only + next_reply if o.interrupted),
-                                 "n": len(echo_only + next_reply),
+        # every pause of a reply nobody talked over: the first reply after a start (a cold canceller) and the
+        # later ones (echo alone, and the reply to a stop word, the barge-in's double talk just behind it)
+        "self_interrupts_echo": {"count": sum(o.interrupted for o in first + later),
+                                 "replies_paused": sum(1 for o in first + later if o.interrupted),
+                                 "n": len(first + later),
+                                 "first_reply": {**pauses(first),
+                                                 "by_room": {o.case.label: o.interrupted for o in first}},
+                                 "later_replies": pauses(later),
                                  "echo_gain_db": max((o.case.echo_rel_db for o in echo_only), default=0.0),
                                  "echo_levels_db": sorted({o.case.echo_rel_db for o in echo_only}),
                                  "echo_only": paused(echo_only), "after_barge_in": paused(next_reply),
@@ -492,10 +561,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
     global QUESTION_AUDIO
     cache = AudioCache(cache_dir, parts.tts)
     QUESTION_AUDIO = cache.speech(QUESTION[0], "joe")
-    warm_voice = cache.speech("Hello. I am the appliance, and this is how my voice sounds in this room, "
-                              "for a few seconds, so that the echo canceller can learn the echo path.", "joe")
-    warm_voice = at_level(warm_voice, -20.0)
-    reply_level = active_dbfs(warm_voice)
+    reply_level = reply_dbfs(parts.tts)
     cases = build_suite(cache, quick)
     print_line(f"{len(cases)} scenarios, in real time (about {len(cases) * 9} s)")
     outcomes = []
@@ -503,18 +569,22 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
 
     clf = shared_keyword_classifier() if cfg.interruption.classifier == "keywords" else None
     start_costs = len(clf.costs_ms) if clf else 0
+    rooms: dict = {}  # room -> the canceller its last case left (a running service's)
     for c in cases:
-        o = run_case(c, parts, cfg, warm_voice, reply_level)
+        o = run_case(c, parts, cfg, reply_level, echo=None if c.cold else rooms.get(c.room))
+        if c.kind != "cold_barge_in":
+            rooms[c.room] = o.echo
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
-        print_line(f"{c.kind:12} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} resumed={o.resumed} "
+        print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} stand_in_ms={o.stand_in_ms} flushed={o.flushed} resumed={o.resumed} "
                    f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
                    + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
     summary = summarise(outcomes, costs)
     summary["config"] = {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,
                          "classifier": cfg.interruption.classifier, "user_dbfs": USER_DBFS,
-                         "echo_delay_ms": ECHO_DELAY_MS, "rt60_ms": RT60_MS, "quick": quick}
+                         "echo_delay_ms": ECHO_DELAY_MS, "rt60_ms": RT60_MS, "reply_dbfs": round(reply_level, 1),
+                         "echo_stand_in": bool(cfg.echo.enabled and cfg.echo.stand_in), "quick": quick}
     print_line(table(outcomes))
     # numpy scalars are written as numbers (a summary must never be lost to a type after a 10-minute run)
     text = json.dumps(summary, indent=2, default=jsonable)
