@@ -185,3 +185,105 @@ def test_llm_prefill_and_generation_speed():
         result["audio_3s_tokens"] = e.n_past - n_before
     _write("llm.json", result)
     assert result["generated_tokens"] > 0
+
+
+def test_cold_start_replies_never_pause_on_the_pis_own_speaker():
+    """The service's own assembly on the Pi's card, from a cold start: the first reply and 20 more with
+    nobody talking (stay quiet: the questions go in as if the VAD had heard them, so the only sound in the
+    room is the appliance's own voice through its speaker), every pause counted. The simulated room's echo
+    is linear; the Pi's speaker is not. Writes cold_start.json: pauses in the first reply and in the later
+    ones, and how much of each reply the cold-start stand-in (AEC3) served."""
+    import threading
+
+    from appliance.audio.files import load_audio
+    from appliance.pipeline import Parts
+    from appliance.service import Service
+
+    cfg = load(CFG)
+    question = load_audio(Path(__file__).resolve().parent.parent / "demo" / "question.wav")
+    parts = Parts.load(cfg, persist=False)
+    records: list = []
+    turn_ended = threading.Event()
+
+    def observe(r):
+        records.append(r)
+        if r.get("event") == "turn_end":
+            turn_ended.set()
+
+    svc = Service(cfg, parts, timeline=observe)
+    svc.start()
+    replies = []
+    try:
+        assert svc.audio.wait_open(15), svc.audio.last_error
+        time.sleep(2.0)
+        echo = svc.session.listener.echo
+        for i in range(21):
+            turn_ended.clear()
+            mark, stand_in0 = len(records), getattr(echo, "stand_in_frames", 0)
+            svc.session.conversation.post("vad_end", audio_t=0.0, speech_ms=len(question) / 16.0, audio=question,
+                                          transcript="What is a rainbow?")
+            assert turn_ended.wait(120), f"reply {i + 1} did not end"
+            time.sleep(1.5)
+            new = records[mark:]
+            replies.append({"reply": i + 1,
+                            "pauses": sum(1 for r in new if r.get("event") == "interrupted"),
+                            "flushed": any(r.get("event") == "flushed" for r in new),
+                            "stand_in_ms": 10 * (getattr(echo, "stand_in_frames", 0) - stand_in0)})
+    finally:
+        svc.stop()
+    result = {"first_reply": replies[0], "later_replies": {
+        "pauses": sum(r["pauses"] for r in replies[1:]), "replies_paused": sum(1 for r in replies[1:] if r["pauses"]),
+        "n": len(replies) - 1}, "replies": replies, "echo_backend": cfg.echo.backend, "stand_in": cfg.echo.stand_in}
+    _write("cold_start.json", result)
+    assert replies[0]["pauses"] == 0 and not replies[0]["flushed"], result
+    assert result["later_replies"]["pauses"] == 0, result
+
+
+def test_a_persons_barge_in_through_the_pis_speaker_and_microphone():
+    """A person talks over the reply (run with -s for the prompt): say "Stop." firmly, about two seconds
+    after the reply starts. The canceller records its frames, so the person's onset (the first 10 ms of its
+    output above -45 dBFS while the reply plays) and the moment playback stopped (the far end it was handed
+    going silent) come from the same timeline. Writes barge_in.json."""
+    import threading
+
+    from appliance.audio.echo import FRAME, from_config
+    from appliance.audio.files import load_audio
+    from appliance.pipeline import Parts
+    from appliance.service import Service
+
+    cfg = load(CFG)
+    question = load_audio(Path(__file__).resolve().parent.parent / "demo" / "question.wav")
+    parts = Parts.load(cfg, persist=False)
+    ended = threading.Event()
+    svc = Service(cfg, parts, timeline=lambda r: r.get("event") in ("turn_end", "flushed") and ended.set())
+    echo = from_config(cfg, record=True)
+    svc.session.listener.use_echo(echo)
+    svc.start()
+    results = []
+    try:
+        assert svc.audio.wait_open(15), svc.audio.last_error
+        for attempt in range(4):  # the first is the cold start's; the later ones meet a converged canceller
+            ended.clear()
+            echo.clear_records()
+            print(f"\nBarge-in {attempt + 1} of 4: say 'Stop.' about two seconds after the reply starts", flush=True)
+            svc.session.conversation.post("vad_end", audio_t=0.0, speech_ms=len(question) / 16.0, audio=question,
+                                          transcript="What is a rainbow?")
+            assert ended.wait(120)
+            time.sleep(1.0)
+            far = np.array([float(np.dot(f, f)) / FRAME for _, f, _ in echo.recorded])
+            out = np.array([float(np.dot(o, o)) / FRAME for _, _, o in echo.recorded])
+            playing = np.nonzero(far > 1e-6)[0]
+            if not len(playing):
+                continue
+            talk = [i for i in range(playing[0], len(out)) if out[i] > 10 ** (-45 / 10) and far[i] > 1e-6]
+            if not talk:
+                results.append({"attempt": attempt + 1, "onset_to_playback_stopped_ms": None})
+                continue
+            onset = talk[0]
+            silent = [i for i in range(onset, len(far) - 3) if far[i:i + 3].max() < 1e-8]
+            results.append({"attempt": attempt + 1, "cold": attempt == 0,
+                            "onset_to_playback_stopped_ms": 10 * (silent[0] - onset) if silent else None})
+    finally:
+        svc.stop()
+    _write("barge_in.json", {"barge_ins": results})
+    assert any(r["onset_to_playback_stopped_ms"] is not None for r in results), results
