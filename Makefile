@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.installed
 
 # llama-cpp-python compiles from source (about 15-20 min on 2 cores); pip caches the built wheel, so
 # later installs take seconds. silero-vad goes in with --no-deps: its torch dependency is several GB and
-# unused (we run its ONNX file with onnxruntime).
+# unused (we run its ONNX file with onnxruntime). So does pipecat-ai, for the Smart Turn v3.2 ONNX file it
+# ships (appliance/eot.py; pinned: the file's SHA-256 is checked when it loads).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e '.[test]'
-	$(BIN)/pip install --no-deps 'silero-vad>=5.1'
+	$(BIN)/pip install --no-deps 'silero-vad>=5.1' 'pipecat-ai==1.14.0'
 	touch $(STAMP)
 
 venv: $(STAMP)

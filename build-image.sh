@@ -496,7 +496,7 @@ install_python() {
 		"$VENV/bin/pip" install --prefer-binary --find-links /tmp/wh/extra \
 		"$(ls "$ROOT"/tmp/wh/app/*.whl | sed "s#^$ROOT##")" "${extra[@]}" ||
 		die "pip install of the appliance failed"
-	in_root env PIP_CACHE_DIR=/tmp/pipcache "${pipenv[@]}" "$VENV/bin/pip" install --no-deps silero-vad || die "pip install silero-vad failed"
+	in_root env PIP_CACHE_DIR=/tmp/pipcache "${pipenv[@]}" "$VENV/bin/pip" install --no-deps silero-vad 'pipecat-ai==1.14.0' || die "pip install silero-vad pipecat-ai failed"
 	in_root "$VENV/bin/python" -c 'import llama_cpp, onnxruntime, numpy, sounddevice, soundfile' ||
 		die "the Python environment does not import its native dependencies"
 	cp -a "$ROOT/tmp/pipcache/." "$CACHE_DIR/pip/" 2>/dev/null || true

@@ -79,6 +79,10 @@ class VadConfig(_Section):
     min_speech_ms: int = Field(250, ge=32, le=5000)
     min_silence_ms: int = Field(500, ge=32, le=10000)
     max_utterance_s: float = Field(30.0, gt=1.0, le=30.0)
+    end_of_turn: Literal["smart_turn", "silence"] = "smart_turn"  # who decides that the user has finished
+    short_stop_ms: int = Field(200, ge=32, le=2000)  # smart_turn: a pause this long asks Smart Turn
+    end_of_turn_threshold: float = Field(0.5, gt=0.0, lt=1.0)  # smart_turn: its probability above this = done
+    max_silence_ms: int = Field(1500, ge=100, le=10000)  # smart_turn: this much silence ends the turn anyway
 
 
 class AudioConfig(_Section):

@@ -320,7 +320,7 @@ class Doctor:
 
     def run(self) -> list[Check]:
         for fn in (self.check_config, self.check_model, self.check_ram, self.check_audio, self.check_voice,
-                   self.check_vad, self.check_gpio, self.check_disk, self.check_clock, self.check_service):
+                   self.check_vad, self.check_end_of_turn, self.check_gpio, self.check_disk, self.check_clock, self.check_service):
             self._add(fn)
         return self.results
 
@@ -491,6 +491,27 @@ class Doctor:
         if ms >= VAD_WINDOW_MS / 2:
             return Check("vad", WARN, detail + " (little headroom)", "lower model.n_threads to leave the VAD a core")
         return Check("vad", PASS, detail)
+
+    def check_end_of_turn(self) -> Check:
+        """Smart Turn loads (the pinned file from pipecat-ai) and how long one call takes (features included)."""
+        if self.cfg.vad.end_of_turn != "smart_turn":
+            return Check("end of turn", SKIP, f"vad.end_of_turn is {self.cfg.vad.end_of_turn}: the silence rule")
+        from .eot import SmartTurn
+
+        try:
+            model = SmartTurn()
+        except UserError as exc:
+            problem, fix = _split_fix(str(exc))
+            return Check("end of turn", FAIL, problem, fix)
+        speech = (np.random.default_rng(0).standard_normal(3 * 16000) * 0.01).astype(np.float32)
+        model.probability(speech)  # the first run allocates
+        model.probability(speech)
+        ms = model.infer_ms[-1]
+        detail = f"Smart Turn v3.2: {ms:.0f} ms per call (once per pause)"
+        if ms >= 200:
+            return Check("end of turn", WARN, detail + " (slow: each answer waits for it)",
+                         "lower model.n_threads to leave it a core, or set vad.end_of_turn: silence")
+        return Check("end of turn", PASS, detail)
 
     # GPIO
     def check_gpio(self) -> Check:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .audio.files import MODEL_RATE, resample
 from .playback import Playback
 from .turns import turn_taker_from_config
 from .vad import SileroVad, VadSegmenter
+
+if TYPE_CHECKING:
+    from .eot import SmartTurn
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +156,11 @@ class Listener:
                 self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
             elif ev.kind in ("reject", "end"):
                 transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
+                eot = {} if ev.eot_prob is None else {"eot_prob": round(ev.eot_prob, 3)}
+                if ev.kind == "end":
+                    eot["silence_ms"] = round(ev.silence_ms, 1)
                 self.post(f"vad_{ev.kind}", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
-                          transcript=transcript)
+                          transcript=transcript, **eot)
             elif ev.kind == "settled":
                 self.post("vad_settled", audio_t=audio_t)
         if was_confirmed and self.segmenter.confirmed:
@@ -256,6 +262,7 @@ class Parts:
     engine: Engine
     tts: Tts
     vad: SileroVad
+    eot: Optional["SmartTurn"] = None  # the end-of-turn model, with vad.end_of_turn: smart_turn
 
     @classmethod
     def load(cls, cfg: Config, persist: Optional[bool] = None) -> "Parts":
@@ -274,7 +281,29 @@ class Parts:
                         examples=EMBEDDED_EXAMPLES if Path(m.gguf) == _embedded_path_if_built() else None,
                         store=store)
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
-        return cls(engine, tts, SileroVad())
+        return cls(engine, tts, SileroVad(), load_end_of_turn(cfg))
+
+
+def configure_segmenter(segmenter: VadSegmenter, cfg: Config, parts: Parts) -> None:
+    """Hand ``cfg.vad`` (and the interjection's silence) and the end-of-turn model to the segmenter."""
+    v = cfg.vad
+    segmenter.configure(v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s,
+                        cfg.interruption.interjection_silence_ms, v.short_stop_ms, v.end_of_turn_threshold,
+                        v.max_silence_ms)
+    use = v.end_of_turn == "smart_turn" and parts.eot is not None
+    segmenter.use_end_of_turn(parts.eot.probability if use else None)
+
+
+def load_end_of_turn(cfg: Config) -> Optional["SmartTurn"]:
+    """The end-of-turn model ``vad.end_of_turn`` names (Smart Turn v3.2), or None for the silence rule.
+
+    :raises UserError: the model is missing or not the pinned one.
+    """
+    if cfg.vad.end_of_turn != "smart_turn":
+        return None
+    from .eot import SmartTurn
+
+    return SmartTurn()
 
 
 class Session:
@@ -294,9 +323,8 @@ class Session:
         self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
         self.tts_worker = TtsWorker(parts.tts, self.playback, self._post, lambda: self.conversation.current_reply_id)
         parts.vad.reset()
-        v = cfg.vad
-        self.segmenter = VadSegmenter(parts.vad, v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s,
-                                      interjection_silence_ms=cfg.interruption.interjection_silence_ms)
+        self.segmenter = VadSegmenter(parts.vad)
+        configure_segmenter(self.segmenter, cfg, parts)
         if echo is None:
             from .audio.echo import from_config
 

@@ -224,6 +224,10 @@ class Service:
                     raise UserError("model.mmproj: a model that hears needs its audio projector; set model.mmproj")
                 if p and not Path(p).is_file():
                     raise UserError(f"{p}: model.{key} not found; check the path")
+        if new.vad.end_of_turn != old.vad.end_of_turn and self.parts.eot is None:
+            from .pipeline import load_end_of_turn
+
+            out["eot"] = load_end_of_turn(new)  # a missing Smart Turn fails here, before anything changes
         if new.echo != old.echo:
             from .audio.echo import from_config
 
@@ -250,15 +254,17 @@ class Service:
     def _apply(self, new: Config, prepared: dict) -> list[str]:
         old, s = self.cfg, self.session
         changed = []
+        if "eot" in prepared:
+            self.parts.eot = prepared["eot"]
+        if new.vad != old.vad or new.interruption != old.interruption:
+            from .pipeline import configure_segmenter
+
+            configure_segmenter(s.segmenter, new, self.parts)  # read by the listener at its next window
         if new.vad != old.vad:
-            seg, v = s.segmenter, new.vad
-            seg.threshold, seg.min_speech_ms, seg.min_silence_ms, seg.max_utterance_s = \
-                v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s
             changed.append("vad")
         if new.interruption != old.interruption:
             # Plain attribute swaps: the conversation and listener threads read them at their next event.
             s.conversation.turn_taker = prepared["turn_taker"]
-            s.segmenter.interjection_silence_ms = new.interruption.interjection_silence_ms
             s.playback.fade_samples = max(1, int(s.playback.sample_rate * new.interruption.fade_ms / 1000.0))
             changed.append("interruption")
         if "tts" in prepared:
