@@ -47,7 +47,8 @@ def embedded_model_path() -> Path:
 
 # Example exchanges for the embedded model: Gemma 3 270M is a base (not instruction-tuned) model and
 # answers in turn only after seeing one.
-EMBEDDED_EXAMPLES = [("What is the moon?",
+# The example's question opens with a date line, as every real turn does (see appliance.assistant).
+EMBEDDED_EXAMPLES = [("[Monday, March 3, 2025, 10:15 AM]\nWhat is the moon?",
                       "The moon is the big rock that circles the Earth and shines with light from the sun.")]
 
 
@@ -250,12 +251,15 @@ class Parts:
             from .history import HistoryStore
 
             store = HistoryStore(cfg.storage.state_dir, keep_audio=cfg.storage.keep_audio)
+        from .assistant import system_prompt
+
+        embedded = Path(m.gguf) == _embedded_path_if_built()
         engine = Engine(m.gguf, m.mmproj, n_ctx=m.n_ctx, n_threads=m.n_threads, n_batch=m.n_batch,
-                        kv_cache_type=m.kv_cache_type, system_prompt=m.system_prompt,
+                        kv_cache_type=m.kv_cache_type, system_prompt=system_prompt(cfg),
                         max_reply_tokens=m.max_reply_tokens, temperature=m.temperature, top_p=m.top_p,
                         seed=m.seed, history_budget_tokens=m.history_budget_tokens,
-                        examples=EMBEDDED_EXAMPLES if Path(m.gguf) == _embedded_path_if_built() else None,
-                        store=store)
+                        examples=EMBEDDED_EXAMPLES if embedded else None, store=store,
+                        one_sentence=embedded)  # the embedded base model: one sentence, no stray tail
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
         return cls(engine, tts, SileroVad())
 
@@ -273,8 +277,14 @@ class Session:
         self.parts = parts
         self.playback = Playback(out_rate, cfg.interruption.fade_ms, on_event=self._from_playback)
         turn_taker = turn_taker_from_config(cfg)
+        from .assistant import turn_context_source
+
         self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause)
+        self.engine_worker.configure(context=turn_context_source(cfg))
         self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
+        self.conversation.configure(stop_words_only_silence=cfg.interruption.stop_words_only_silence,
+                                    listen_mode=cfg.listen.mode, follow_up_s=cfg.listen.follow_up_s,
+                                    min_silence_ms=cfg.vad.min_silence_ms)
         self.tts_worker = TtsWorker(parts.tts, self.playback, self._post, lambda: self.conversation.current_reply_id)
         parts.vad.reset()
         v = cfg.vad
