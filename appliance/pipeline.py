@@ -279,7 +279,9 @@ class Session:
         turn_taker = turn_taker_from_config(cfg)
         from .assistant import turn_context_source
 
-        self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause)
+        from .ear import SpokenReply
+
+        self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause, split=SpokenReply)
         self.engine_worker.configure(context=turn_context_source(cfg))
         self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
         self.conversation.configure(stop_words_only_silence=cfg.interruption.stop_words_only_silence,
