@@ -264,6 +264,8 @@ class Engine:
         self.total_prefill_tokens = 0
         self.last = TurnResult()
         self.store = store
+        # One sentence of plain English for the embedded model: tokens it must not sample (see _plain_english).
+        self._banned = _plain_english_mask(self.llm) if one_sentence else None
         self._system_ids = self.llm.tokenize(self._system_text().encode(), add_bos=True, special=True)
         self._decode(ACTIVE, self._system_ids, 0)
         if store is not None:
@@ -336,6 +338,11 @@ class Engine:
             self._reply_start = self.n_past
         return self._generate(t0)
 
+    def _plain_english(self, input_ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """llama.cpp custom sampler (first in its chain, so ``logits`` is the whole vocabulary in id order)."""
+        logits[self._banned[: len(logits)]] = -np.inf
+        return logits
+
     def _generate(self, t0: float) -> Iterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         pieces: list[str] = []
@@ -347,13 +354,14 @@ class Engine:
                 with self._lock:
                     if self.n_past >= self.n_ctx - 8:
                         break
-                    tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40)
+                    tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40,
+                                          logits_processor=[self._plain_english] if self._banned is not None else None)
                     if tok in self._stop_tokens:
                         break
                     raw = self.llm.detokenize([tok], special=False)
                     if b"\n" in raw and "".join(pieces).strip():
                         break  # a spoken reply is one paragraph: a line break after some text ends it
-                    if self.one_sentence and raw[:1].isspace() and _ends_sentence("".join(pieces)):
+                    if self.one_sentence and _ends_sentence("".join(pieces)) and not (raw[:1].isascii() and raw[:1].isalnum()):
                         break  # one sentence only (the embedded model: what follows is often a stray word)
                     self._decode(ACTIVE, [tok], self.n_past)
                 if self.last.first_token_ms is None:
@@ -572,6 +580,17 @@ class Engine:
             text += (f"{f.turn_start}user\n{self.system_prompt}{f.turn_end}\n"
                      f"{f.turn_start}{f.model_role}\nOkay.{f.turn_end}\n")
         return text
+
+
+def _plain_english_mask(llm) -> np.ndarray:
+    """Tokens the embedded model may not sample, as a bool array over its vocabulary: any piece with a
+    byte outside ASCII (other scripts, accents, partial UTF-8) or a square bracket (it would copy the
+    turn's ``[date and time]`` line as its answer). Special tokens (end of turn) stay allowed."""
+    banned = np.zeros(llm.n_vocab(), dtype=bool)
+    for tok in range(len(banned)):
+        piece = llm.detokenize([tok], special=False)
+        banned[tok] = bool(piece) and (max(piece) >= 0x80 or b"[" in piece or b"]" in piece)
+    return banned
 
 
 def _opened(context: str, content: str) -> str:
