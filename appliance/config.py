@@ -135,7 +135,7 @@ class ListenConfig(_Section):
     """When the appliance answers: any speech (``always``) or speech after a wake word (``wake_word``)."""
 
     mode: Literal["always", "wake_word"] = "always"
-    wake_word: Literal["hey_jarvis", "okay_nabu", "alexa", "hey_mycroft"] = "hey_jarvis"
+    wake_word: Literal["okay_nabu", "hey_jarvis", "alexa", "hey_mycroft"] = "okay_nabu"
     follow_up_s: float = Field(8.0, ge=0.0, le=120.0)
 
 

@@ -238,6 +238,8 @@ class Conversation:
     # --- handlers ---
     def _on_ready(self, info: dict) -> None:
         self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
+        if self.listen_mode == "wake_word":
+            self._emit("listen_window", t=info["t"], open=False)
 
     def _on_error(self, info: dict) -> None:
         self._held = None

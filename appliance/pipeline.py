@@ -91,12 +91,18 @@ class Listener:
         self.echo = echo
         self.transcript_at = transcript_at
         self.muted = False
+        self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._n = 0
         self._captured = self._done = 0
         self._onset_sample = 0
         self._thread = threading.Thread(target=self._run, name="listener", daemon=True)
         self._thread.start()
+
+    def configure(self, *, wake=None) -> None:
+        """``wake``: a :class:`~appliance.wake.WakeWordDetector` fed with the echo-cancelled microphone
+        (its detections are posted as ``wake``), or None."""
+        self.wake = wake
 
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
@@ -127,6 +133,10 @@ class Listener:
             return  # a muted microphone reaches neither the VAD nor the model
         if self.echo is not None and far is not None:
             mic = self.echo.process(mic, far)
+        wake = self.wake
+        if wake is not None:
+            for sample in wake.process(mic):
+                self.post("wake", audio_t=round(sample / MODEL_RATE, 3), word=wake.name)
         was_confirmed = self.segmenter.confirmed
         for ev in self.segmenter.push(mic):
             audio_t = ev.t_sample / MODEL_RATE
@@ -301,6 +311,9 @@ class Session:
         if echo is not None and hasattr(echo, "near_end_clear"):
             self.segmenter.onset_evidence = echo.near_end_clear  # ... and is surely the user: onset at 0.2
         self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
+        from .wake import detector_from_config
+
+        self.listener.configure(wake=detector_from_config(cfg))
         self.conversation.subscribe(self._on_state)
 
     # Indirections so that the workers can be built before the conversation exists.
