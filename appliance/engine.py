@@ -598,10 +598,16 @@ def _opened(context: str, content: str) -> str:
     return f"{context}\n{content}" if context else content
 
 
+_ABBREVIATIONS = {"e.g.", "i.e.", "etc.", "vs.", "dr.", "mr.", "mrs.", "ms.", "st.", "no.", "approx."}
+
+
 def _ends_sentence(text: str) -> bool:
-    """``text`` ends with a sentence's closing mark (after at least two words)."""
-    t = text.rstrip().rstrip("\"')\u201d\u2019")
-    return t[-1:] in (".", "!", "?") and len(t.split()) >= 2
+    """``text`` ends with a sentence's closing mark (after at least two words), not an abbreviation's
+    full stop ("e.g.") and not inside an open parenthesis."""
+    t = text.rstrip().rstrip("\"'\u201d\u2019")
+    if t[-1:] not in (".", "!", "?") or len(t.split()) < 2 or t.count("(") > t.count(")"):
+        return False
+    return t.split()[-1].lstrip("(").lower() not in _ABBREVIATIONS
 
 
 def text_only_refusal(model_path: Path) -> UserError:
