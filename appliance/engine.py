@@ -361,7 +361,8 @@ class Engine:
                     raw = self.llm.detokenize([tok], special=False)
                     if b"\n" in raw and "".join(pieces).strip():
                         break  # a spoken reply is one paragraph: a line break after some text ends it
-                    if self.one_sentence and _ends_sentence("".join(pieces)) and not (raw[:1].isascii() and raw[:1].isalnum()):
+                    if self.one_sentence and _ends_sentence("".join(pieces)) and not raw[:1].islower() \
+                            and not raw[:1].isdigit():
                         break  # one sentence only (the embedded model: what follows is often a stray word)
                     self._decode(ACTIVE, [tok], self.n_past)
                 if self.last.first_token_ms is None:

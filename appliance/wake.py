@@ -53,11 +53,13 @@ class WakeWordDetector:
         self.max_probability = 0.0  # the highest smoothed probability since the last reset_stats()
 
     def reset(self) -> None:
-        """Forget the stream (features, the model's internal state, the pending samples)."""
+        """Forget the stream (features, the model's internal state, the pending samples); sample indices
+        count from 0 again."""
         self._model.reset()
         self._features.reset()
         self._pending = np.zeros(0, np.int16)
         self._deaf_until = 0
+        self._n = 0
 
     def reset_stats(self) -> None:
         self.compute_s = self.audio_s = self.max_probability = 0.0

@@ -116,3 +116,15 @@ def test_replay_wake_word_follow_up_and_outside_the_window(tmp_path, parts, embe
     heard = [t.get("heard_transcript") for t in report["turns"]]
     assert heard == ["Okay Nabu, what is a rainbow?", "What about the moon?"], heard
     assert [r["reason"] for r in records if r["event"] == "ignored"] == ["no wake word", "no wake word"]
+
+
+def test_doctor_describes_both_listening_modes_and_the_stop_behaviour(tmp_path):
+    from appliance.doctor import PASS, Doctor
+
+    for text, want in [("listen:\n  mode: always\n", "answers anyone who speaks"),
+                       ("listen:\n  mode: wake_word\n", "answers after 'Okay Nabu', and for 8 s after each reply")]:
+        (tmp_path / "c.yaml").write_text(text)
+        d = Doctor(tmp_path / "c.yaml", embedded=True)
+        d.check_config()
+        row = d.check_listening()
+        assert row.status == PASS and want in row.detail and "stops the reply and starts no new one" in row.detail
