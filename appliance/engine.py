@@ -143,14 +143,14 @@ def _load_llama(path: Path, **kw):
             params.kv_unified = True
             return params
 
-        def no_amx_buffers():
+        def no_amx():
             params = original_model()
-            if _cpu_has_amx():
-                params.use_extra_bufts = False
+            params.use_extra_bufts = False
             return params
 
         lc.llama_context_default_params = two_sequences
-        lc.llama_model_default_params = no_amx_buffers
+        if _cpu_has_amx():
+            lc.llama_model_default_params = no_amx
         try:
             return llama_cpp.Llama(model_path=str(path), **kw)
         finally:
@@ -159,15 +159,15 @@ def _load_llama(path: Path, **kw):
 
 
 def _cpu_has_amx() -> bool:
-    """An x86 CPU with AMX (Intel Xeon 4th gen and later). llama.cpp 0.3.36's AMX matrix multiply
-    (an "extra buffer type" its CPU backend picks for the weights when it was built on such a CPU)
-    crashes with SIGSEGV in ``ggml_backend_amx_mul_mat`` on the embedded Gemma 3 270M (seen here), so
-    on such a CPU the weights stay in plain buffers. Other CPUs (the Pi's) keep the extra buffers."""
+    """True on an x86 CPU with AMX tiles (Intel Sapphire Rapids and later). There, llama.cpp's AMX weight
+    buffer (one of its "extra buffer types") crashes in ``ggml_backend_amx_mul_mat`` on the first decode
+    of Gemma 3 270M Q4_K_M (SIGSEGV, llama-cpp-python 0.3.36), so the extra buffer types are switched off.
+    Elsewhere, e.g. on the Pi 5's Arm cores, they stay on (they hold the repacked Q4_0 weights there)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             for line in fh:
                 if line.startswith("flags"):
-                    return "amx_int8" in line.split()
+                    return "amx_tile" in line.split()
     except OSError:
         pass
     return False
