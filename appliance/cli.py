@@ -225,6 +225,17 @@ def cmd_bench_interruption(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_wake(args: argparse.Namespace) -> int:
+    from .bench import wake
+    from .speech import Tts
+
+    cfg = _config(args)
+    json_out = _json_out(args)
+    tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
+    wake.run(cfg, tts, json_out, max_hours=args.hours, print_line=lambda s: print(s, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description="Offline voice appliance: hear, think, speak, stop when interrupted.")
     p.add_argument("--version", action="version", version=f"appliance {__version__}")
@@ -281,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quick", action="store_true", help="a small subset of the suite (a smoke run)")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
+
+    sp = bench.add_parser("wake", help="wake word: detection in 5 voices, false wakes per hour on speech, music and "
+                                       "TV-like audio, wake-to-listening latency, CPU (offline, tens of minutes)")
+    sp.add_argument("--json", help="write the summary to this JSON file")
+    sp.add_argument("--hours", type=float, default=None,
+                    help="cap the non-wake audio played, hours (default: all the material, twice)")
+    common(sp)
+    sp.set_defaults(func=cmd_bench_wake)
 
     sp = sub.add_parser("doctor", help="check config, models, RAM, sound devices, voice, VAD, GPIO, disk, clock")
     sp.add_argument("--checksums", action="store_true", help="also hash the model files against SHA256SUMS beside them (slow)")

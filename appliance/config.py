@@ -58,10 +58,8 @@ class ModelConfig(_Section):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     seed: int = 0
     history_budget_tokens: int = Field(2048, ge=128)
-    system_prompt: str = (
-        "You are a friendly voice assistant on a small speaker. Answer in one to three short spoken "
-        "sentences. No lists, no markdown, no emoji."
-    )
+    # Kept for existing configs: when set, it replaces assistant.system_prompt.
+    system_prompt: Optional[str] = None
 
 
 class VoiceConfig(_Section):
@@ -103,6 +101,46 @@ class InterruptionConfig(_Section):
     # keywords: PocketSphinx hears stop words and backchannels in short interjections; duration: length only
     classifier: Literal["keywords", "duration"] = "keywords"
     interjection_silence_ms: int = Field(200, ge=64, le=2000)
+    # A stop command alone ("Stop.", "Wait, stop.", "Never mind.") flushes the reply and starts no new one.
+    stop_words_only_silence: bool = True
+
+
+def _timezone(value: str) -> str:
+    if value == "local":
+        return value
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise PydanticCustomError(
+            "timezone", "expected local or an IANA time zone name, e.g. Europe/Berlin or America/New_York") from None
+    return value
+
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are {name}, a voice assistant on a small speaker in someone's home. Everything you write is spoken "
+    "aloud, so answer in one to three short sentences of plain spoken English: no lists, no markdown, no "
+    "emoji, no links. Each message from the user starts with the local date and time in brackets; use them "
+    "only when asked about the date or the time."
+)
+
+
+class AssistantConfig(_Section):
+    """Who the appliance is: its name, the prompt, and the local time it is told each turn."""
+
+    name: str = Field("Juniper", min_length=1, max_length=40)
+    timezone: Annotated[str, AfterValidator(_timezone)] = "local"
+    locale: str = Field("en_US", pattern=r"^[a-z]{2,3}(_[A-Z]{2})?$")
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+
+class ListenConfig(_Section):
+    """When the appliance answers: any speech (``always``) or speech after a wake word (``wake_word``)."""
+
+    mode: Literal["always", "wake_word"] = "always"
+    wake_word: Literal["okay_nabu", "hey_jarvis", "alexa", "hey_mycroft"] = "okay_nabu"
+    follow_up_s: float = Field(8.0, ge=0.0, le=120.0)
 
 
 class EchoConfig(_Section):
@@ -117,7 +155,7 @@ class EchoConfig(_Section):
 
 
 LedState = Literal["starting", "loading", "listening", "thinking", "speaking", "interrupted", "muted", "error",
-                   "config_error"]
+                   "config_error", "wake_word"]
 LedPattern = Literal["off", "steady", "dim", "pulse", "blink", "fast_blink", "blip"]
 
 
@@ -197,6 +235,8 @@ class Config(_Section):
     """The whole ``config.yaml``."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    assistant: AssistantConfig = Field(default_factory=AssistantConfig)
+    listen: ListenConfig = Field(default_factory=ListenConfig)
     voice: VoiceConfig = Field(default_factory=VoiceConfig)
     vad: VadConfig = Field(default_factory=VadConfig)
     audio: AudioConfig = Field(default_factory=AudioConfig)

@@ -12,6 +12,19 @@ new speech becomes the next user turn). A flushing interjection that the VAD cut
 ("Wait," …) is held until the user has been quiet for ``min_silence_ms`` (``vad_settled``), and joined to
 what they say before that ("… stop."), so the turn is the whole utterance. ``muted`` ignores the
 microphone; ``error`` is a device or model failure.
+
+Stop means stop (``interruption.stop_words_only_silence``): when the held interjection is a stop command
+alone ("Stop.", "Wait, stop.", "Never mind.", as the barge-in classifier heard it) and nothing but stop
+words follows it before ``vad_settled``, no turn starts: the conversation emits ``stopped`` and listens.
+Any other words before then ("Wait, what about the moon?") make it a turn as before. Either way the cut
+reply is remembered as far as it was heard, ending in :data:`CUT_MARK`, so the model knows it was cut.
+
+Listening modes (:meth:`Conversation.configure`): ``always`` answers any speech; ``wake_word`` answers
+only speech that starts inside the listening window. The window opens on a ``wake`` event (the wake-word
+detector heard its phrase) and again when a reply ends (it was played, flushed or stopped), for
+``follow_up_s``; ``listen_window`` events say when it opens and closes. A barge-in during a reply needs no
+wake word. An utterance that is only the wake word ("Hey Jarvis." and a pause) opens the window and is not
+a turn.
 """
 
 from __future__ import annotations
@@ -29,6 +42,12 @@ import numpy as np
 from .turns import BargeInDecision, TurnTaker
 
 JOIN_GAP_SAMPLES = 1600  # 100 ms of silence at 16 kHz between a held interjection and what followed it
+# How a reply cut short is remembered: the words that were heard, then this (an interrupted utterance, as
+# in written dialogue), so the next turn's model knows it did not finish.
+CUT_MARK = "—"
+# A wake word detected less than this before the end of its utterance's speech, s, was the whole utterance.
+WAKE_ONLY_TAIL_S = 0.35
+LISTEN_MODES = ("always", "wake_word")
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +129,42 @@ class Conversation:
         self.keep_muted = False
         # Optional ``() -> dict`` merged into each turn's metrics (e.g. the sound devices' xruns).
         self.turn_stats: Optional[Callable[[], dict]] = None
+        self.stop_words_only_silence = True
+        self.listen_mode = "always"
+        self.follow_up_s = 8.0
+        self.min_silence_s = 0.5
+        self._window_until = float("-inf")  # wake_word mode: speech starting before this needs no wake word
+        self._window_timer: Optional[threading.Timer] = None
+        self._utterance_onset_t: Optional[float] = None
+        self._wake_t: Optional[float] = None  # audio time of the last wake word, s
+
+    def configure(self, *, stop_words_only_silence: Optional[bool] = None, listen_mode: Optional[str] = None,
+                  follow_up_s: Optional[float] = None, min_silence_ms: Optional[float] = None) -> None:
+        """Set the conversation's policies (from ``interruption``, ``listen`` and ``vad`` in the config);
+        safe while running (read at the next event).
+
+        :param stop_words_only_silence: a stop command alone flushes the reply and starts no turn.
+        :param listen_mode: ``always`` or ``wake_word``.
+        :param follow_up_s: wake_word mode: after a reply (or a wake word), speech starting within this many
+            seconds needs no wake word.
+        :param min_silence_ms: the VAD's end-of-turn silence, ms (where an utterance's speech ended).
+        :raises ValueError: an unknown listen mode.
+        """
+        if stop_words_only_silence is not None:
+            self.stop_words_only_silence = bool(stop_words_only_silence)
+        if listen_mode is not None:
+            if listen_mode not in LISTEN_MODES:
+                raise ValueError(f"listen mode must be one of {LISTEN_MODES}, got {listen_mode!r}")
+            self.listen_mode = listen_mode
+        if follow_up_s is not None:
+            self.follow_up_s = float(follow_up_s)
+        if min_silence_ms is not None:
+            self.min_silence_s = float(min_silence_ms) / 1000.0
+
+    @property
+    def window_open(self) -> bool:
+        """Speech starting now would be answered (always true in ``always`` mode)."""
+        return self.listen_mode == "always" or self.clock() < self._window_until
 
     # --- wiring ---
     def subscribe(self, observer: Observer) -> None:
@@ -131,6 +186,8 @@ class Conversation:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._window_timer is not None:
+            self._window_timer.cancel()
         self._q.put(("_stop", {}))
         if self._thread:
             self._thread.join(timeout=5)
@@ -181,6 +238,8 @@ class Conversation:
     # --- handlers ---
     def _on_ready(self, info: dict) -> None:
         self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
+        if self.listen_mode == "wake_word":
+            self._emit("listen_window", t=info["t"], open=False)
 
     def _on_error(self, info: dict) -> None:
         self._held = None
@@ -233,6 +292,8 @@ class Conversation:
 
     def _on_vad_onset(self, info: dict) -> None:
         self._emit("vad_onset", **info)
+        if self.state == State.LISTENING:
+            self._utterance_onset_t = info["t"]
         if self.state == State.SPEAKING:
             self.playback.pause()
             self._barge_audio_t = info.get("audio_t")
@@ -264,6 +325,14 @@ class Conversation:
                 return
             self._flush(info["t"], reason="short interruption")
             self._hold(info, audio, transcript)
+            return
+        if self._held is not None and self.state == State.LISTENING and self._held[3]:
+            # Short speech after a held stop command: more stop words change nothing; other words
+            # ("Wait, … why?") make the held interjection a question after all.
+            if self.turn_taker.stop_command(info.get("speech_ms", 0.0), audio) is False:
+                held_info = self._held[0]
+                audio, transcript = self._join_held(audio, transcript)
+                self._held = (held_info, audio, transcript, False)
 
     def _on_vad_end(self, info: dict) -> None:
         audio = info.pop("audio", None)
@@ -278,7 +347,12 @@ class Conversation:
             self._hold(info, audio, transcript)
             return
         if self._held is not None and self.state == State.LISTENING:
+            if self._held[3] and self.stop_words_only_silence \
+                    and self.turn_taker.stop_command(info.get("speech_ms", 0.0), audio) is True:
+                return  # "Wait," … "stop.": still a stop command alone; ``vad_settled`` decides
             audio, transcript = self._join_held(audio, transcript)
+        elif self.state == State.LISTENING and not self._accepts(info):
+            return
         if self.state == State.THINKING and self._turn is not None:
             # The user went on talking before we said anything: drop the unsaid reply, take the new words.
             self._abort_reply(info["t"], reason="user continued")
@@ -286,21 +360,27 @@ class Conversation:
         self._start_turn(info, audio, transcript)
 
     def _on_vad_settled(self, info: dict) -> None:
-        """The user stopped talking after an interjection: a held stop word becomes the turn."""
+        """The user stopped talking after an interjection: a held stop word becomes the turn, or, when it
+        is a stop command alone and ``stop_words_only_silence`` is on, nothing does."""
         if self._held is not None and self.state == State.LISTENING:
-            held_info, audio, transcript = self._held
+            held_info, audio, transcript, stop_command = self._held
             self._held = None
             self._emit("vad_settled", **info)
+            if stop_command and self.stop_words_only_silence:
+                self._emit("stopped", t=info["t"], heard=self.turn_taker_hypothesis(), transcript=transcript)
+                self._open_window(info["t"])
+                return
             self._start_turn({**held_info, "t": info["t"]}, audio, transcript)
 
     def _hold(self, info: dict, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
         """Keep a flushing interjection ("Wait,") until the user stops or goes on ("… stop.")."""
-        self._held = (info, audio, transcript)
-        self._emit("held", t=info["t"], speech_ms=info.get("speech_ms"))
+        stop_command = self.turn_taker.last_was_stop_command()
+        self._held = (info, audio, transcript, stop_command)
+        self._emit("held", t=info["t"], speech_ms=info.get("speech_ms"), stop_command=stop_command)
 
     def _join_held(self, audio: Optional[np.ndarray], transcript: Optional[str]):
         """The held interjection, a short gap, then the utterance that followed it: one turn."""
-        _, held_audio, held_transcript = self._held
+        _, held_audio, held_transcript, _ = self._held
         self._held = None
         if held_audio is not None and audio is not None:
             audio = np.concatenate([held_audio, np.zeros(JOIN_GAP_SAMPLES, np.float32), audio])
@@ -348,6 +428,54 @@ class Conversation:
             self.engine.commit(self._turn.reply_id, text, complete=True)
             self._end_turn(info["t"], text)
             self._set(State.LISTENING, info["t"])
+            self._open_window(info["t"])
+
+    # --- listening window (wake_word mode) ---
+    def _on_wake(self, info: dict) -> None:
+        """The wake-word detector heard its phrase (``audio_t``: where, in the microphone's time, s)."""
+        self._emit("wake", **info)
+        if self.listen_mode != "wake_word" or self.state in (State.MUTED, State.ERROR):
+            return
+        self._wake_t = info.get("audio_t")
+        self._open_window(info["t"])
+
+    def _on_window_check(self, info: dict) -> None:
+        if self.listen_mode == "wake_word" and self._window_timer is not None and self.clock() >= self._window_until:
+            self._window_timer = None
+            self._emit("listen_window", t=info["t"], open=False)
+
+    def _open_window(self, t: float) -> None:
+        if self.listen_mode != "wake_word":
+            return
+        self._window_until = t + self.follow_up_s
+        self._emit("listen_window", t=t, open=True, until=round(self._window_until, 4))
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+        self._window_timer = threading.Timer(self.follow_up_s + 0.01, lambda: self.post("window_check"))
+        self._window_timer.daemon = True
+        self._window_timer.start()
+
+    def _accepts(self, info: dict) -> bool:
+        """Is this utterance (a ``vad_end`` while listening) a turn? In ``wake_word`` mode: only if it
+        started inside the window, or held the wake word with more speech after it. Emits ``ignored``
+        or opens the window for an utterance that was only the wake word."""
+        if self.listen_mode == "always":
+            return True
+        onset = self._utterance_onset_t if self._utterance_onset_t is not None else info["t"]
+        if onset < self._window_until and self._wake_t is None:
+            return True
+        wake, self._wake_t = self._wake_t, None
+        audio_t = info.get("audio_t")
+        if wake is not None and audio_t is not None:
+            speech_end = audio_t - self.min_silence_s
+            if speech_end - wake < WAKE_ONLY_TAIL_S:
+                self._emit("ignored", t=info["t"], reason="the wake word alone: listening for the question")
+                return False
+            return True
+        if onset < self._window_until:
+            return True
+        self._emit("ignored", t=info["t"], reason="no wake word")
+        return False
 
     def _on_silent(self, info: dict) -> None:
         if self.state == State.INTERRUPTED or info.get("flushed"):
@@ -364,6 +492,7 @@ class Conversation:
             self._turn.interrupted = True
         self._abort_reply(t, reason=reason)
         self._set(State.LISTENING, t)
+        self._open_window(t)
 
     def _abort_reply(self, t: float, reason: str) -> None:
         """Stop the current reply wherever it is: drop unplayed audio, cancel generation, keep only the
@@ -374,9 +503,10 @@ class Conversation:
         dropped = self.playback.flush()
         self.engine.cancel(self._turn.reply_id)
         spoken = self.playback.spoken_text()
-        self.engine.commit(self._turn.reply_id, spoken, complete=False)
+        remembered = cut_reply(spoken)
+        self.engine.commit(self._turn.reply_id, remembered, complete=False)
         self._emit("flushed", t=t, reason=reason, dropped_samples=dropped, spoken=spoken,
-                   synthesized=self.playback.full_text())
+                   synthesized=self.playback.full_text(), remembered=remembered)
         self._end_turn(t, spoken)
 
     def _end_turn(self, t: float, text: str) -> None:
@@ -403,3 +533,10 @@ class Conversation:
                 log.exception("turn_stats failed")
         self.turns.append(metrics)
         self._emit("turn_end", t=t, text=text, **{k: v for k, v in metrics.items() if k != "reply_id"}, reply_id=turn.reply_id)
+
+
+def cut_reply(spoken: str) -> str:
+    """How a reply cut after the words ``spoken`` is remembered: those words, then :data:`CUT_MARK`
+    ("A rainbow is an arc—"); "" when none were heard."""
+    text = spoken.strip().rstrip(",;:")
+    return f"{text}{CUT_MARK}" if text else ""

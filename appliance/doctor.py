@@ -320,7 +320,8 @@ class Doctor:
 
     def run(self) -> list[Check]:
         for fn in (self.check_config, self.check_model, self.check_ram, self.check_audio, self.check_voice,
-                   self.check_vad, self.check_end_of_turn, self.check_gpio, self.check_disk, self.check_clock, self.check_service):
+                   self.check_vad, self.check_end_of_turn, self.check_listening, self.check_gpio, self.check_disk,
+                   self.check_clock, self.check_service):
             self._add(fn)
         return self.results
 
@@ -512,6 +513,31 @@ class Doctor:
             return Check("end of turn", WARN, detail + " (slow: each answer waits for it)",
                          "lower model.n_threads to leave it a core, or set vad.end_of_turn: silence")
         return Check("end of turn", PASS, detail)
+
+    # listening mode and the stop behaviour
+    def check_listening(self) -> Check:
+        """How the appliance decides to answer (``listen``) and what a stop command does."""
+        c = self.cfg
+        stop = ("a stop command alone (\"Stop.\", \"Wait, stop.\", \"Never mind.\") stops the reply and starts "
+                "no new one" if c.interruption.stop_words_only_silence else
+                "a stop command stops the reply and is answered (interruption.stop_words_only_silence: false)")
+        if c.listen.mode == "always":
+            return Check("listening", PASS, f"listen.mode always: answers anyone who speaks; {stop}")
+        from .wake import WakeWordDetector
+
+        try:
+            det = WakeWordDetector(c.listen.wake_word)
+        except UserError as exc:
+            problem, fix = _split_fix(str(exc))
+            return Check("listening", FAIL, problem, fix)
+        det.process(np.zeros(16000, np.float32))  # 1 s of silence: the detector's cost
+        ms = det.compute_s / det.audio_s * 1000.0
+        detail = (f"listen.mode wake_word: answers after '{det.phrase}', and for {c.listen.follow_up_s:g} s after "
+                  f"each reply without it (a barge-in never needs it); detector {ms:.1f} ms per second of audio; "
+                  f"{stop}")
+        if ms >= 500.0:
+            return Check("listening", WARN, detail + " (little headroom)", "the CPU is saturated: check `top`")
+        return Check("listening", PASS, detail)
 
     # GPIO
     def check_gpio(self) -> Check:

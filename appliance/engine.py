@@ -105,6 +105,7 @@ class Message:
     text: str
     audio: Optional[np.ndarray] = None
     store_id: Optional[int] = None
+    context: str = ""  # a user turn's opening line (the local date and time), as the model read it
 
 
 @dataclass
@@ -133,7 +134,8 @@ def _load_llama(path: Path, **kw):
     import llama_cpp.llama_cpp as lc
 
     with _PARAMS_LOCK:
-        original, original_model = lc.llama_context_default_params, lc.llama_model_default_params
+        original = lc.llama_context_default_params
+        original_model = lc.llama_model_default_params
 
         def two_sequences():
             params = original()
@@ -141,14 +143,14 @@ def _load_llama(path: Path, **kw):
             params.kv_unified = True
             return params
 
-        def model_params():
+        def no_amx():
             params = original_model()
-            if _cpu_has_amx():
-                params.use_extra_bufts = False  # see _cpu_has_amx
+            params.use_extra_bufts = False
             return params
 
         lc.llama_context_default_params = two_sequences
-        lc.llama_model_default_params = model_params
+        if _cpu_has_amx():
+            lc.llama_model_default_params = no_amx
         try:
             return llama_cpp.Llama(model_path=str(path), **kw)
         finally:
@@ -157,14 +159,18 @@ def _load_llama(path: Path, **kw):
 
 
 def _cpu_has_amx() -> bool:
-    """Whether llama.cpp runs on Intel AMX here. Its AMX matrix multiply (an "extra buffer type" for the
-    weights) crashed the process (SIGSEGV in ``ggml_backend_amx_mul_mat``) on the first decode of the
-    embedded Gemma 3 270M, with llama-cpp-python 0.3.36 built natively on a Xeon with AMX-INT8; without
-    the extra buffer types it runs. A Pi 5 has no AMX: there the extra types (ARM repacking) stay on."""
-    import llama_cpp
-
-    info = llama_cpp.llama_print_system_info()
-    return b"AMX_INT8 = 1" in (info if isinstance(info, bytes) else str(info).encode())
+    """True on an x86 CPU with AMX tiles (Intel Sapphire Rapids and later). There, llama.cpp's AMX weight
+    buffer (one of its "extra buffer types") crashes in ``ggml_backend_amx_mul_mat`` on the first decode
+    of Gemma 3 270M Q4_K_M (SIGSEGV, llama-cpp-python 0.3.36), so the extra buffer types are switched off.
+    Elsewhere, e.g. on the Pi 5's Arm cores, they stay on (they hold the repacked Q4_0 weights there)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
 
 
 class _Rebuild:
@@ -203,7 +209,7 @@ class Engine:
                  n_threads: int = 4, n_batch: int = 512, kv_cache_type: str = "q4_0",
                  system_prompt: str = "", max_reply_tokens: int = 160, temperature: float = 0.7,
                  top_p: float = 0.95, seed: int = 0, history_budget_tokens: int = 2048,
-                 examples: Optional[list[tuple[str, str]]] = None, store=None):
+                 examples: Optional[list[tuple[str, str]]] = None, store=None, one_sentence: bool = False):
         import llama_cpp
 
         if "callback" not in _llama_log_state:
@@ -225,6 +231,7 @@ class Engine:
         self.fmt = FORMATS.get(self.arch, GEMMA3)
         self.system_prompt = system_prompt
         self.examples = list(examples or [])
+        self.one_sentence = one_sentence
         self.max_reply_tokens = max_reply_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -257,6 +264,8 @@ class Engine:
         self.total_prefill_tokens = 0
         self.last = TurnResult()
         self.store = store
+        # One sentence of plain English for the embedded model: tokens it must not sample (see _plain_english).
+        self._banned = _plain_english_mask(self.llm) if one_sentence else None
         self._system_ids = self.llm.tokenize(self._system_text().encode(), add_bos=True, special=True)
         self._decode(ACTIVE, self._system_ids, 0)
         if store is not None:
@@ -292,11 +301,14 @@ class Engine:
         """Stop the running generation at the next token (thread-safe)."""
         self._cancel.set()
 
-    def start_turn(self, audio: Optional[np.ndarray] = None, transcript: Optional[str] = None) -> Iterator[str]:
+    def start_turn(self, audio: Optional[np.ndarray] = None, transcript: Optional[str] = None,
+                   context: str = "") -> Iterator[str]:
         """Append the user's turn to the active sequence and stream the reply as text pieces.
 
         :param audio: float32 mono PCM at 16 kHz, at most 30 s; used when the model hears.
         :param transcript: what was said; used when the model cannot hear (text-only model).
+        :param context: a line that opens the user's turn, before the audio or the words (the local date
+            and time, :mod:`appliance.assistant`); appended with the turn like the rest of it.
         :yields: decoded text pieces, one per generated token (possibly empty for partial UTF-8).
         :raises NothingToHear: neither usable audio nor a transcript (a ``ValueError``).
         After the iterator is exhausted, :attr:`last` holds the turn's figures.
@@ -309,22 +321,27 @@ class Engine:
             if not use_audio and not transcript:
                 raise NothingToHear("this model cannot hear audio and no transcript was given")
             clip = np.asarray(audio, dtype=np.float32)[: 30 * 16000] if use_audio else None
-            incoming = self._audio_tokens(clip) if use_audio else len(transcript) // 2 + 16
+            incoming = (self._audio_tokens(clip) if use_audio else len(transcript) // 2 + 16) + len(context) // 2
             if self.n_past + incoming + self.max_reply_tokens + 16 > self.n_ctx:
                 self._emergency_room(incoming)
             before = self.n_past
             if use_audio:
-                self._eval_user_audio(ACTIVE, clip, before)
+                self._eval_user_audio(ACTIVE, clip, before, context)
                 self.last.input = "audio"
-                self._pending_user = Message("user", transcript or USER_AUDIO_PLACEHOLDER, clip)
+                self._pending_user = Message("user", transcript or USER_AUDIO_PLACEHOLDER, clip, context=context)
             else:
-                self._decode(ACTIVE, self._tokens(self.fmt.user_turn(transcript)), before)
-                self._pending_user = Message("user", transcript)
+                self._decode(ACTIVE, self._tokens(self.fmt.user_turn(_opened(context, transcript))), before)
+                self._pending_user = Message("user", transcript, context=context)
             self.last.prefill_tokens = self.n_past - before
             self.total_prefill_tokens += self.last.prefill_tokens
             self.last.prefill_ms = (time.perf_counter() - t0) * 1000.0
             self._reply_start = self.n_past
         return self._generate(t0)
+
+    def _plain_english(self, input_ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """llama.cpp custom sampler (first in its chain, so ``logits`` is the whole vocabulary in id order)."""
+        logits[self._banned[: len(logits)]] = -np.inf
+        return logits
 
     def _generate(self, t0: float) -> Iterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
@@ -337,12 +354,16 @@ class Engine:
                 with self._lock:
                     if self.n_past >= self.n_ctx - 8:
                         break
-                    tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40)
+                    tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40,
+                                          logits_processor=[self._plain_english] if self._banned is not None else None)
                     if tok in self._stop_tokens:
                         break
                     raw = self.llm.detokenize([tok], special=False)
                     if b"\n" in raw and "".join(pieces).strip():
                         break  # a spoken reply is one paragraph: a line break after some text ends it
+                    if self.one_sentence and _ends_sentence("".join(pieces)) and not raw[:1].islower() \
+                            and not raw[:1].isdigit():
+                        break  # one sentence only (the embedded model: what follows is often a stray word)
                     self._decode(ACTIVE, [tok], self.n_past)
                 if self.last.first_token_ms is None:
                     self.last.first_token_ms = (time.perf_counter() - t0) * 1000.0
@@ -428,7 +449,7 @@ class Engine:
                     self._decode(SHADOW, self._system_ids, 0, track=rb)
                 if msg.role == "user" and msg.audio is not None and self.hears_audio:
                     before = rb.n
-                    rb.n, _ = self.audio.eval_prompt(self.fmt.closed("user", AUDIO_MARKER), msg.audio, rb.n,
+                    rb.n, _ = self.audio.eval_prompt(self.fmt.closed("user", _opened(msg.context, AUDIO_MARKER)), msg.audio, rb.n,
                                                      n_batch=self.n_batch, seq_id=SHADOW, add_special=False)
                     rb.tokens += rb.n - before
                     rb.ids.extend([-1] * (rb.n - before))
@@ -483,16 +504,16 @@ class Engine:
         return self.llm.tokenize(text.encode(), add_bos=False, special=special)
 
     def _closed_turn(self, msg: Message) -> str:
-        return self.fmt.closed(msg.role, msg.text)
+        return self.fmt.closed(msg.role, _opened(msg.context, msg.text) if msg.role == "user" else msg.text)
 
     def _audio_tokens(self, clip: np.ndarray) -> int:
         from .mtmd_audio import MtmdAudio
 
         return MtmdAudio.expected_audio_tokens(len(clip)) + 16
 
-    def _eval_user_audio(self, seq: int, clip: np.ndarray, pos: int) -> None:
-        self.audio.eval_prompt(self.fmt.user_turn(AUDIO_MARKER), clip, pos, n_batch=self.n_batch, seq_id=seq,
-                               add_special=False)
+    def _eval_user_audio(self, seq: int, clip: np.ndarray, pos: int, context: str = "") -> None:
+        self.audio.eval_prompt(self.fmt.user_turn(_opened(context, AUDIO_MARKER)), clip, pos, n_batch=self.n_batch,
+                               seq_id=seq, add_special=False)
 
     def _cost(self, msg: Message) -> int:
         if msg.role == "user" and msg.audio is not None and self.hears_audio:
@@ -562,6 +583,34 @@ class Engine:
         return text
 
 
+def _plain_english_mask(llm) -> np.ndarray:
+    """Tokens the embedded model may not sample, as a bool array over its vocabulary: any piece with a
+    byte outside ASCII (other scripts, accents, partial UTF-8) or a square bracket (it would copy the
+    turn's ``[date and time]`` line as its answer). Special tokens (end of turn) stay allowed."""
+    banned = np.zeros(llm.n_vocab(), dtype=bool)
+    for tok in range(len(banned)):
+        piece = llm.detokenize([tok], special=False)
+        banned[tok] = bool(piece) and (max(piece) >= 0x80 or b"[" in piece or b"]" in piece)
+    return banned
+
+
+def _opened(context: str, content: str) -> str:
+    """A user turn's content with its context line (if any) before it."""
+    return f"{context}\n{content}" if context else content
+
+
+_ABBREVIATIONS = {"e.g.", "i.e.", "etc.", "vs.", "dr.", "mr.", "mrs.", "ms.", "st.", "no.", "approx."}
+
+
+def _ends_sentence(text: str) -> bool:
+    """``text`` ends with a sentence's closing mark (after at least two words), not an abbreviation's
+    full stop ("e.g.") and not inside an open parenthesis."""
+    t = text.rstrip().rstrip("\"'\u201d\u2019")
+    if t[-1:] not in (".", "!", "?") or len(t.split()) < 2 or t.count("(") > t.count(")"):
+        return False
+    return t.split()[-1].lstrip("(").lower() not in _ABBREVIATIONS
+
+
 def text_only_refusal(model_path: Path) -> UserError:
     return UserError(f"{model_path}: this model is text-only (no model.mmproj), so it cannot hear the microphone; "
                      "set model.mmproj to the audio projector, or use `appliance replay` with a scenario transcript")
@@ -582,6 +631,7 @@ class EngineWorker:
     on_clause: Callable[[int, Optional[str]], None]
     split: Callable[[], object] = None  # factory of a SentenceSplitter
     _jobs: list = field(default_factory=list)
+    context: Optional[Callable[[], str]] = None  # the opening line of each user turn (the date and time)
 
     def __post_init__(self) -> None:
         import queue
@@ -593,6 +643,10 @@ class EngineWorker:
         self._cancelled: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    def configure(self, *, context: Optional[Callable[[], str]] = None) -> None:
+        """``context()``: the line that opens each user turn (the local date and time), read per turn."""
+        self.context = context
 
     def submit_turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
         self._q.put(("turn", reply_id, audio, transcript))
@@ -654,7 +708,7 @@ class EngineWorker:
             return
         splitter = self.split()
         first = True
-        stream = self.engine.start_turn(audio, transcript)
+        stream = self.engine.start_turn(audio, transcript, context=self.context() if self.context else "")
         for piece in stream:
             if first:
                 self.post("llm_first_token", reply_id=reply_id, prefill_tokens=self.engine.last.prefill_tokens)

@@ -41,6 +41,7 @@ DEFAULT_PATTERNS: dict[str, tuple[str, str, str]] = {
     "muted": ("blip", "steady", "#ff0000"),
     "error": ("fast_blink", "blink", "#ff0000"),
     "config_error": ("fast_blink", "fast_blink", "#ff8000"),
+    "wake_word": ("off", "off", "#000000"),  # listen.mode wake_word, outside the follow-up window
 }
 # Blink timings (on_time, off_time), s, and pulse fades (in, out), s.
 TIMINGS = {"blink": (0.5, 0.5), "fast_blink": (0.1, 0.1), "blip": (0.1, 1.9)}
@@ -151,6 +152,7 @@ class Indicators:
         self.factory = pin_factory
         self.gpio = gpio
         self.state = "starting"
+        self.window_open = True  # listen.mode wake_word: the follow-up window (``listen_window`` events)
         self._override: Optional[tuple[str, float]] = None
         self._timer: Optional[threading.Timer] = None
         self._lock = threading.RLock()
@@ -172,12 +174,22 @@ class Indicators:
 
     # --- LEDs ---
     def observe(self, record: dict) -> None:
-        """Conversation observer: follow ``state`` events."""
-        if record.get("event") == "state":
+        """Conversation observer: follow ``state`` and ``listen_window`` events. While listening with the
+        window closed (``listen.mode: wake_word``) the LEDs show ``wake_word``."""
+        event = record.get("event")
+        if event in ("state", "listen_window"):
             with self._lock:
-                self.state = record["state"]
+                if event == "state":
+                    self.state = record["state"]
+                else:
+                    self.window_open = bool(record.get("open"))
                 if self._override is None:
-                    self.leds.show(self.state)
+                    self.leds.show(self.shown)
+
+    @property
+    def shown(self) -> str:
+        """The state the LEDs show: the conversation's, or ``wake_word`` while it listens for the wake word."""
+        return "wake_word" if self.state == "listening" and not self.window_open else self.state
 
     def show(self, state: str) -> None:
         """Show a state that the conversation does not own (``loading`` while the model loads)."""
@@ -200,7 +212,7 @@ class Indicators:
     def _end_flash(self) -> None:
         with self._lock:
             self._override = None
-            self.leds.show(self.state)
+            self.leds.show(self.shown)
 
     # --- button ---
     def _on_pressed(self) -> None:

@@ -50,7 +50,8 @@ def embedded_model_path() -> Path:
 
 # Example exchanges for the embedded model: Gemma 3 270M is a base (not instruction-tuned) model and
 # answers in turn only after seeing one.
-EMBEDDED_EXAMPLES = [("What is the moon?",
+# The example's question opens with a date line, as every real turn does (see appliance.assistant).
+EMBEDDED_EXAMPLES = [("[Monday, March 3, 2025, 10:15 AM]\nWhat is the moon?",
                       "The moon is the big rock that circles the Earth and shines with light from the sun.")]
 
 
@@ -93,6 +94,7 @@ class Listener:
         self.echo = echo
         self.transcript_at = transcript_at
         self.muted = False
+        self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._n = 0
         self._captured = self._done = 0
@@ -112,6 +114,11 @@ class Listener:
         """Replace the echo canceller (None: none) from the next block on, in the listener's own thread: a
         device reopened or a reload rebuilt it, so the echo path is new and the canceller starts cold."""
         self._q.put(("echo", echo))
+
+    def configure(self, *, wake=None) -> None:
+        """``wake``: a :class:`~appliance.wake.WakeWordDetector` fed with the echo-cancelled microphone
+        (its detections are posted as ``wake``), or None."""
+        self.wake = wake
 
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
@@ -146,6 +153,10 @@ class Listener:
             return  # a muted microphone reaches neither the VAD nor the model
         if self.echo is not None and far is not None:
             mic = self.echo.process(mic, far)
+        wake = self.wake
+        if wake is not None:
+            for sample in wake.process(mic):
+                self.post("wake", audio_t=round(sample / MODEL_RATE, 3), word=wake.name)
         was_confirmed = self.segmenter.confirmed
         for ev in self.segmenter.push(mic):
             audio_t = ev.t_sample / MODEL_RATE
@@ -274,12 +285,15 @@ class Parts:
             from .history import HistoryStore
 
             store = HistoryStore(cfg.storage.state_dir, keep_audio=cfg.storage.keep_audio)
+        from .assistant import system_prompt
+
+        embedded = Path(m.gguf) == _embedded_path_if_built()
         engine = Engine(m.gguf, m.mmproj, n_ctx=m.n_ctx, n_threads=m.n_threads, n_batch=m.n_batch,
-                        kv_cache_type=m.kv_cache_type, system_prompt=m.system_prompt,
+                        kv_cache_type=m.kv_cache_type, system_prompt=system_prompt(cfg),
                         max_reply_tokens=m.max_reply_tokens, temperature=m.temperature, top_p=m.top_p,
                         seed=m.seed, history_budget_tokens=m.history_budget_tokens,
-                        examples=EMBEDDED_EXAMPLES if Path(m.gguf) == _embedded_path_if_built() else None,
-                        store=store)
+                        examples=EMBEDDED_EXAMPLES if embedded else None, store=store,
+                        one_sentence=embedded)  # the embedded base model: one sentence, no stray tail
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
         return cls(engine, tts, SileroVad(), load_end_of_turn(cfg))
 
@@ -319,8 +333,16 @@ class Session:
         self.parts = parts
         self.playback = Playback(out_rate, cfg.interruption.fade_ms, on_event=self._from_playback)
         turn_taker = turn_taker_from_config(cfg)
-        self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause)
+        from .assistant import turn_context_source
+
+        from .ear import SpokenReply
+
+        self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause, split=SpokenReply)
+        self.engine_worker.configure(context=turn_context_source(cfg))
         self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
+        self.conversation.configure(stop_words_only_silence=cfg.interruption.stop_words_only_silence,
+                                    listen_mode=cfg.listen.mode, follow_up_s=cfg.listen.follow_up_s,
+                                    min_silence_ms=cfg.vad.min_silence_ms)
         self.tts_worker = TtsWorker(parts.tts, self.playback, self._post, lambda: self.conversation.current_reply_id)
         parts.vad.reset()
         self.segmenter = VadSegmenter(parts.vad)
@@ -330,6 +352,9 @@ class Session:
 
             echo = from_config(cfg)
         self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
+        from .wake import detector_from_config
+
+        self.listener.configure(wake=detector_from_config(cfg))
         self.conversation.subscribe(self._on_state)
 
     # Indirections so that the workers can be built before the conversation exists.

@@ -236,6 +236,10 @@ class Service:
             from .turns import turn_taker_from_config
 
             out["turn_taker"] = turn_taker_from_config(new)  # loads PocketSphinx if it is newly needed
+        if new.listen != old.listen:
+            from .wake import detector_from_config
+
+            out["wake"] = detector_from_config(new)  # loads the wake-word model if it is newly needed
         if new.gpio != old.gpio:
             # The new pins may overlap the old ones: release the old devices first, and put them back if
             # the new ones cannot be had.
@@ -267,6 +271,18 @@ class Service:
             s.conversation.turn_taker = prepared["turn_taker"]
             s.playback.fade_samples = max(1, int(s.playback.sample_rate * new.interruption.fade_ms / 1000.0))
             changed.append("interruption")
+        if (new.interruption, new.listen, new.vad) != (old.interruption, old.listen, old.vad):
+            s.conversation.configure(stop_words_only_silence=new.interruption.stop_words_only_silence,
+                                     listen_mode=new.listen.mode, follow_up_s=new.listen.follow_up_s,
+                                     min_silence_ms=new.vad.min_silence_ms)
+        if "wake" in prepared:
+            s.listener.configure(wake=prepared["wake"])
+            changed.append("listen")
+        if new.assistant != old.assistant:
+            from .assistant import turn_context_source
+
+            s.engine_worker.configure(context=turn_context_source(new))
+            changed.append("assistant (the time zone and locale now; a new system prompt at the next start)")
         if "tts" in prepared:
             s.tts_worker.tts = prepared["tts"]
             self.parts.tts = prepared["tts"]

@@ -16,18 +16,17 @@ PIPER_SAMPLE_RATE = 22050  # the medium-quality Piper voices' rate (from the voi
 # 1 dB of headroom keeps the peaks below full scale.
 HEADROOM = 10 ** (-1.0 / 20.0)
 
-_MARKUP = re.compile(r"[*_#`~>|]+|\[[^\]]*\]\([^)]*\)")
-_EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF]")
 # Letters outside the Latin, Greek and Cyrillic blocks (CJK, Thai, Arabic, ...): an English voice reads
 # them as noise, so they are dropped for voices whose language uses the Latin script.
 _NON_LATIN = re.compile("[^\u0000-\u024F\u1E00-\u1EFF\u2000-\u206F]")
 
 
 def speakable(text: str) -> str:
-    """Strip what a speaker cannot say: markdown marks, links, emoji; collapse white space."""
-    text = _MARKUP.sub(" ", text)
-    text = _EMOJI.sub(" ", text)
-    return re.sub(r"\s+", " ", text).strip()
+    """What a speaker can say of ``text``: :func:`appliance.ear.for_the_ear` (markdown, links, URLs, emoji,
+    units, currency, symbols as words; white space collapsed)."""
+    from .ear import for_the_ear
+
+    return for_the_ear(text)
 
 
 class SentenceSplitter:

@@ -39,7 +39,12 @@ BACKCHANNEL_WORDS = {"uh-huh", "uhhuh", "mhm", "mm-hmm", "mmhmm", "hmm", "yeah",
                      "ok", "sure", "i see", "got it", "alright", "cool", "wow", "oh", "ah", "nice"}
 # Words that want the floor, however short.
 STOP_WORDS = {"stop", "wait", "no", "hold on", "hang on", "shut up", "quiet", "pause", "cancel", "enough",
-              "actually", "but", "sorry", "excuse me"}
+              "actually", "but", "sorry", "excuse me", "never mind", "be quiet", "that's enough"}
+# The stop words that are a whole command when nothing follows them: "Stop." wants silence, not an answer
+# (``interruption.stop_words_only_silence``). "Actually", "sorry", "excuse me" and "no actually" want the
+# floor, so they are not among them: said alone they still become a turn and get an answer.
+STOP_COMMANDS = {"stop", "stop it", "wait", "wait stop", "hold on", "hang on", "cancel", "pause", "no", "no no",
+                 "quiet", "be quiet", "never mind", "that's enough", "enough", "shut up", "stop talking"}
 
 
 class BackchannelClassifier(Protocol):
@@ -84,7 +89,7 @@ def _decide_words(text: str) -> Optional[BargeInDecision]:
 # "Stop." heard as "got") and "shut up" (the espeak-ng and Piper "Uh-huh." heard as it, in 4 of 27 echo-path
 # captures).
 _STOP_PHRASES = ["stop", "stop it", "wait", "wait stop", "no", "no actually", "no no", "hold on", "hang on",
-                 "cancel", "actually", "pause", "sorry", "excuse me"]
+                 "cancel", "actually", "pause", "sorry", "excuse me", "be quiet", "never mind", "that's enough"]
 _BACK_PHRASES = ["uh-huh", "mm-hmm", "mhm", "hmm", "mm", "uh", "oh", "yeah", "yes", "yep", "right", "okay",
                  "ok", "i see", "sure", "alright", "cool"]
 _FILLERS = ["noiseword", "speechword"]  # +NSN+ and +SPN+: a noise, and speech that is none of the above
@@ -279,6 +284,42 @@ class TurnTaker:
     def hypothesis(self) -> Optional[str]:
         """What the classifier heard last (for the timeline), if it says."""
         return getattr(self.classifier, "last", None)
+
+    def last_was_stop_command(self) -> bool:
+        """The last :meth:`at_end` flushed because the classifier heard a stop command alone ("Stop.",
+        "Wait, stop.", "Never mind."), not because the speech was long. False without a classifier."""
+        if not self.verdicts:
+            return False
+        speech_ms, verdict, heard = self.verdicts[-1]
+        return (verdict == BargeInDecision.INTERRUPT.value and speech_ms < self.backchannel_max_ms
+                and is_stop_command(heard))
+
+    def stop_command(self, speech_ms: float, audio: Optional[np.ndarray]) -> Optional[bool]:
+        """Whether short speech that followed a held stop word is a stop command too ("Wait," … "stop."):
+        True, False (other words: the utterance is a question), or None (a noise, nothing heard).
+
+        :param speech_ms: the speech's length, ms; as long as ``backchannel_max_ms`` or more is never a
+            stop command.
+        :param audio: float32 mono 16 kHz, or None.
+        """
+        if speech_ms >= self.backchannel_max_ms:
+            return False
+        hypothesis = getattr(self.classifier, "hypothesis", None)
+        if audio is None or hypothesis is None or len(audio) < 1600:
+            return None
+        heard = hypothesis(audio)
+        words = " ".join(w for w in heard.split() if w != "noiseword")
+        if not words:
+            return None
+        return is_stop_command(words)
+
+
+def is_stop_command(heard: Optional[str]) -> bool:
+    """``heard`` (a keyword-classifier hypothesis) is one of :data:`STOP_COMMANDS` and nothing else."""
+    if not heard:
+        return False
+    words = " ".join(w for w in heard.lower().split() if w not in _FILLERS)
+    return words in STOP_COMMANDS
 
 
 LEAD_IN_SKIP_S = 0.0  # of the VAD's lead-in (see KeywordClassifier's skip_s and its measurements)

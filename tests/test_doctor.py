@@ -64,6 +64,7 @@ def test_without_models_or_audio_lists_the_fails_with_fixes(tmp_path):
     assert got["capture"]["status"] == SKIP
     assert got["piper voice"]["status"] == PASS and got["vad"]["status"] == PASS
     assert got["end of turn"]["status"] in (PASS, WARN) and "Smart Turn v3.2" in got["end of turn"]["detail"]  # WARN: slow
+    assert got["listening"]["status"] == PASS and "listen.mode always" in got["listening"]["detail"]
     assert got["gpio"]["status"] == SKIP
     assert got["disk"]["status"] == PASS
     assert all(row["fix"] for row in got.values() if row["status"] in (FAIL, WARN))
@@ -76,7 +77,7 @@ def test_without_models_or_audio_lists_the_fails_with_fixes(tmp_path):
     fails = [i for i, line in enumerate(lines) if "  FAIL  " in line]
     assert len(fails) == 4, r.stdout
     assert all(lines[i + 1].strip().startswith("fix: ") for i in fails)
-    assert lines[-1].startswith("14 checks: ") and " 4 fail" in lines[-1]
+    assert lines[-1].startswith("15 checks: ") and " 4 fail" in lines[-1]
 
 
 def test_embedded_checks_the_embedded_parts(tmp_path):

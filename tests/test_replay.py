@@ -35,10 +35,12 @@ def test_timeline_has_the_barge_in_sequence(demo_run):
     for needed in ("vad_start", "vad_end", "state", "llm_first_token", "tts_first_audio", "interrupted", "flushed", "turn_end"):
         assert needed in events, needed
     states = report["states"]
-    # listening → thinking → speaking → interrupted → listening, then the barge-in is answered.
+    # listening → thinking → speaking → interrupted → listening; "Wait, stop." is a stop command alone,
+    # so it is not answered (stop means stop, tests/test_stop.py).
     i = states.index("interrupted")
     assert states[: i + 2] == ["listening", "thinking", "speaking", "interrupted", "listening"]
-    assert states[-1] == "listening"
+    assert states[-1] == "listening" and states.count("thinking") == 1
+    assert "stopped" in events
     assert not report["timed_out"]
     start = records[0]
     assert start["event"] == "replay_start" and start["heard_as"].startswith("transcript")
@@ -57,9 +59,9 @@ def test_reply_is_audible_speech_on_the_input_timeline(demo_run):
 
 def test_report_has_per_turn_latencies(demo_run):
     _, report, _ = demo_run
-    assert len(report["turns"]) == 2
-    first, second = report["turns"]
-    assert first["interrupted"] and not second["interrupted"]
+    assert len(report["turns"]) == 1
+    (first,) = report["turns"]
+    assert first["interrupted"]
     for t in report["turns"]:
         assert 0 < t["eot_to_first_token_ms"] <= t["eot_to_first_audio_ms"] < 10000
     (b,) = report["barge_ins"]
@@ -72,8 +74,8 @@ def test_interrupted_reply_is_remembered_as_spoken(demo_run, parts):
     _, _, records = demo_run
     flushed = [r for r in records if r["event"] == "flushed"][0]
     hist = parts.engine.history
-    assert hist[1].role == "model" and hist[1].text == flushed["spoken"].strip()
-    assert hist[2].text == "Wait, stop."
+    assert hist[1].role == "model" and hist[1].text == flushed["remembered"] == flushed["spoken"].strip() + "—"
+    assert len(hist) == 2  # "Wait, stop." was not a turn
 
 
 def test_the_first_reply_of_a_replay_does_not_pause_on_its_own_echo(tmp_path, parts, embedded_cfg):

@@ -54,7 +54,8 @@ QUESTION = ("Tell me about rainbows and how they form.", "question")
 VOICES = ("joe", "en-us+f3", "en-gb+m3")
 BACKCHANNELS = ["Uh-huh.", "Yeah.", "Right.", "Okay.", "I see."]
 SHORT_STOPS = ["Stop.", "Wait.", "No.", "Hold on."]
-NEXT_REPLY_STOP = "Wait, stop."  # the bundled demo's interjection
+# A stop word and a question (the demo's "Wait, stop." alone now gets no reply: stop means stop).
+NEXT_REPLY_STOP = "Wait, what about the moon?"
 ENDED_BY_ITSELF_S = 0.1  # a reply that ends this soon after the user's onset makes the scenario invalid
 ECHO_ONLY_RUNS = 5  # per echo level: a self-interrupt rate of a few percent showed in 1 of 20 extra runs
 FIRST_REPLY_LEVELS = (-20.0, -10.0, 0.0, 6.0)  # echo relative to the user's voice, dB, for the cold-start cases
