@@ -959,6 +959,13 @@ main() {
 	run_genimage "$WORK_DIR/genimage.cfg"
 
 	local img="$OUT_DIR/$NAME.img"
+	if [ "$TARGET" = pi5 ]; then
+		# What the Pi 5 firmware and kernel will read, checked on the finished
+		# image (no Pi 5 can be emulated): see tools/check-pi5-boot.
+		log "checking the Pi 5 boot partition"
+		python3 "$SCRIPT_DIR/tools/check-pi5-boot" "$img" >&2 ||
+			die "the Pi 5 boot check failed (lines above): do not flash $img"
+	fi
 	if command -v bmaptool >/dev/null; then
 		bmaptool create -o "$img.bmap" "$img" && log "wrote $img.bmap"
 	else
