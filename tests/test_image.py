@@ -447,3 +447,206 @@ def test_firstboot_warns_when_nobody_can_log_in(built, tmp_path):
     res = _run(["chroot", root, "/usr/lib/appliance/firstboot"], check=False, timeout=120)
     assert res.returncode == 0
     assert "no login is configured" in res.stderr
+
+
+# ------------------------------------------------------------- Pi 5 target
+# build-image.sh --target pi5 on the small root plus a fake kernel package
+# (tests/pi5_fakes.py: the Raspberry Pi archive is unreachable and a real
+# Debian kernel root takes half an hour under emulation). This runs the
+# script's Pi 5 steps -- pi5_boot_files, our kernel/initramfs hooks for
+# --pi5-kernel debian, config.txt/cmdline.txt per kernel -- and the boot
+# checker it runs on every finished Pi 5 image. `make test-image-pi5` builds
+# the real one.
+
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pi5_fakes  # noqa: E402
+
+
+def _pi5_root_tar(small_root_tar: Path, d: Path, kind: str, hat_overlays=(), drop: str | None = None) -> Path:
+    fake = d / f"fake-{kind}"
+    pi5_fakes.root_files(fake, kind, hat_overlays)
+    if drop:
+        for p in fake.rglob(drop):
+            p.unlink()
+    tar = d / f"root-{kind}.tar"
+    shutil.copyfile(small_root_tar, tar)
+    _run(["tar", "--append", "--owner=0", "--group=0", "-f", tar, "-C", fake, "./usr", "./boot"])
+    return tar
+
+
+def _build_pi5(small_root_tar, config_file, d: Path, kind: str, hat="none", drop=None, extra=()):
+    tar = _pi5_root_tar(small_root_tar, d, kind, ("wm8960-soundcard",) if hat != "none" else (), drop)
+    out = d / "out"
+    cmd = [SCRIPT, "--target", "pi5", "--pi5-kernel", kind, "--rootfs-tar", tar, "--arch", _host_arch(),
+           "--skip-python", "--no-models", "--config", config_file, "--hat", hat,
+           "--version", "0.0.0-ci", "--out", out, "--root-size", "1G", "--disk-signature", DISK_SIG,
+           "--no-compress", "--keep-work", "--cache", d / "cache", *extra]
+    res = _run(cmd, check=False, timeout=600)
+    suffix = "-debian-kernel" if kind == "debian" else ""
+    return res, out / f"appliance-0.0.0-ci{suffix}.img"
+
+
+@pytest.fixture(scope="session")
+def pi5_debian(small_root_tar, config_file, tmp_path_factory):
+    d = tmp_path_factory.mktemp("pi5deb")
+    res, img = _build_pi5(small_root_tar, config_file, d, "debian")
+    if res.returncode != 0:
+        pytest.fail(f"build-image.sh --target pi5 --pi5-kernel debian failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return {"img": img, "log": res.stderr, "root": d / "out" / "work-pi5" / "rootfs", "parts": _partitions(img)}
+
+
+def test_pi5_debian_kernel_build_passes_the_boot_check(pi5_debian):
+    log = pi5_debian["log"]
+    # The checker ran at the end of the build, on the finished image.
+    assert "checking the Pi 5 boot partition" in log
+    assert "check-pi5-boot: all 9 checks passed" in log, log[-3000:]
+    for name in ("kernel", "kconfig", "initramfs", "dtb", "devicetree", "cmdline.txt"):
+        assert re.search(rf"^PASS {re.escape(name)}:", log, re.M), name
+    assert "bcm2712-d-rpi-5-b.dtb (mainline D0 device tree)" in log
+    # And it passes when run again on its own (what make test-image-pi5 does).
+    res = _run([sys.executable, REPO / "tools" / "check-pi5-boot", pi5_debian["img"]], check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_pi5_debian_kernel_boot_partition(pi5_debian):
+    img, parts = pi5_debian["img"], pi5_debian["parts"]
+    names = {Path(line).name for line in _mtools(img, parts, "mdir", "-b", "::").split()}
+    for f in ("kernel_2712.img", "initramfs_2712", "bcm2712-rpi-5-b.dtb", "bcm2712-d-rpi-5-b.dtb",
+              "appliance-kernel.txt", "config.txt", "cmdline.txt"):
+        assert f in names, sorted(names)
+    assert "overlays" not in names  # nothing from the Raspberry Pi kernel
+    config = _mtools(img, parts, "mtype", "::config.txt")
+    active = [ln.strip() for ln in config.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert "upstream_kernel=1" in active
+    assert not any(ln.startswith("dtoverlay=") for ln in active)
+    cmdline = _mtools(img, parts, "mtype", "::cmdline.txt")
+    assert "console=ttyAMA10,115200" in cmdline and "serial0" not in cmdline
+    assert _mtools(img, parts, "mtype", "::appliance-kernel.txt").strip() == pi5_fakes.DEBIAN_KVER
+
+
+def test_pi5_debian_kernel_root(pi5_debian):
+    root = pi5_debian["root"]
+    rules = (root / "etc/udev/rules.d/60-appliance-gpio.rules").read_text()
+    assert 'KERNEL=="gpiochip*", GROUP="gpio", MODE="0660"' in rules
+    assert 'ATTR{label}=="pinctrl-rp1", SYMLINK+="gpiochip4"' in rules
+    for hook in ("etc/kernel/postinst.d/zz-appliance-pi5-boot", "etc/initramfs/post-update.d/zz-appliance-pi5-boot",
+                 "etc/initramfs-tools/hooks/appliance-pi5"):
+        assert os.access(root / hook, os.X_OK), hook
+    prefs = (root / "etc/apt/preferences.d/appliance-kernel-backports").read_text()
+    assert "Pin: release n=trixie-backports" in prefs and "Pin-Priority: 990" in prefs
+    assert not (root / "etc/apt/sources.list.d/raspi.sources").exists()
+    assert "pi5_kernel=debian" in (root / "etc/appliance-image/build-info").read_text()
+
+
+def test_pi5_debian_kernel_update_keeps_config_txt(pi5_debian, tmp_path):
+    """A kernel update runs our hook: the kernel, initramfs and device trees
+    on /boot/firmware are replaced, config.txt and cmdline.txt are not."""
+    root = tmp_path / "root"
+    _run(["cp", "-a", pi5_debian["root"], root])
+    fw = root / "boot" / "firmware"
+    fw.mkdir(parents=True, exist_ok=True)
+    (fw / "config.txt").write_text("# the appliance's lines\ndtparam=i2s=on\n")
+    (fw / "cmdline.txt").write_text("console=ttyAMA10,115200 root=PARTUUID=a1b2c3d4-02 rootwait\n")
+    before = {f: (fw / f).read_text() for f in ("config.txt", "cmdline.txt")}
+    # A newer kernel version arrives (same fake files, new version string).
+    new = "7.3.9+deb13-arm64"
+    mod = root / "usr/lib/modules" / new
+    shutil.copytree(root / "usr/lib/modules" / pi5_fakes.DEBIAN_KVER, mod, symlinks=True)
+    (mod / "vmlinuz").write_bytes(pi5_fakes.arm64_image(new))
+    (root / "usr/lib" / f"linux-image-{new}").symlink_to(f"modules/{new}/dtb")
+    (root / "boot" / f"initrd.img-{new}").write_bytes(pi5_fakes.initramfs(new, pi5_fakes.DEBIAN_MODULES))
+    r1 = _run(["chroot", root, "/etc/kernel/postinst.d/zz-appliance-pi5-boot", new, f"/boot/vmlinuz-{new}"])
+    r2 = _run(["chroot", root, "/etc/initramfs/post-update.d/zz-appliance-pi5-boot", new, f"/boot/initrd.img-{new}"])
+    assert f"Linux version {new}".encode() in (fw / "kernel_2712.img").read_bytes(), r1.stdout + r1.stderr
+    assert (fw / "initramfs_2712").read_bytes() == (root / "boot" / f"initrd.img-{new}").read_bytes(), r2.stdout
+    assert (fw / "appliance-kernel.txt").read_text().strip() == new
+    assert {f: (fw / f).read_text() for f in ("config.txt", "cmdline.txt")} == before
+    # An older kernel's hook run (apt removing it) leaves the partition alone.
+    r3 = _run(["chroot", root, "/etc/kernel/postinst.d/zz-appliance-pi5-boot", pi5_fakes.DEBIAN_KVER])
+    assert "not the newest kernel" in r3.stdout
+    assert f"Linux version {new}".encode() in (fw / "kernel_2712.img").read_bytes()
+
+
+def test_pi5_rpi_kernel_build_with_hat(small_root_tar, config_file, tmp_path):
+    res, img = _build_pi5(small_root_tar, config_file, tmp_path, "rpi", hat=HAT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "check-pi5-boot: all 9 checks passed" in res.stderr
+    assert "PASS overlays: 1 dtoverlay= line(s), each with its .dtbo" in res.stderr
+    parts = _partitions(img)
+    listing = _mtools(img, parts, "mdir", "-b", "::/overlays")
+    assert "bcm2712d0.dtbo" in listing and "overlay_map.dtb" in listing
+    config = _mtools(img, parts, "mtype", "::config.txt")
+    active = [ln.strip() for ln in config.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert "upstream_kernel=1" not in active and "dtoverlay=wm8960-soundcard" in active
+    assert "console=serial0,115200" in _mtools(img, parts, "mtype", "::cmdline.txt")
+
+
+@pytest.mark.parametrize("kind,drop,missing", [
+    ("debian", "bcm2712-d-rpi-5-b.dtb", "bcm2712-d-rpi-5-b.dtb"),
+    ("rpi", "bcm2712d0.dtbo", "overlays/bcm2712d0.dtbo"),
+    ("rpi", "overlay_map.dtb", "overlays/overlay_map.dtb"),
+])
+def test_pi5_build_refuses_a_kernel_without_the_d0_files(small_root_tar, config_file, tmp_path, kind, drop, missing):
+    res, img = _build_pi5(small_root_tar, config_file, tmp_path, kind, drop=drop)
+    assert res.returncode != 0
+    assert f"boot partition lacks {missing}" in res.stderr, res.stderr[-2000:]
+    assert not img.exists()
+
+
+def test_pi5_build_refuses_a_failing_boot_check(small_root_tar, config_file, tmp_path):
+    """The kernel package lacks the SD driver in its config: the image is
+    built, the checker fails it, and the build says not to flash it."""
+    d = tmp_path
+    fake = d / "fake"
+    pi5_fakes.root_files(fake, "debian")
+    cfg = fake / "usr/lib/modules" / pi5_fakes.DEBIAN_KVER / "config"
+    cfg.write_text(cfg.read_text().replace("CONFIG_MMC_SDHCI_BRCMSTB=m", "# CONFIG_MMC_SDHCI_BRCMSTB is not set"))
+    tar = d / "root.tar"
+    shutil.copyfile(small_root_tar, tar)
+    _run(["tar", "--append", "--owner=0", "--group=0", "-f", tar, "-C", fake, "./usr", "./boot"])
+    res = _run([SCRIPT, "--target", "pi5", "--pi5-kernel", "debian", "--rootfs-tar", tar, "--arch", _host_arch(),
+                "--skip-python", "--no-models", "--config", config_file, "--version", "0.0.0-ci",
+                "--out", d / "out", "--root-size", "1G", "--no-compress", "--cache", d / "cache"],
+               check=False, timeout=600)
+    assert res.returncode == 1
+    assert "FAIL kconfig" in res.stderr and "CONFIG_MMC_SDHCI_BRCMSTB" in res.stderr
+    assert "the Pi 5 boot check failed" in res.stderr and "do not flash" in res.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--target", "pi5", "--pi5-kernel", "debian", "--hat", HAT], "--hat respeaker-2mic-v1 needs the Raspberry Pi kernel"),
+    (["--pi5-kernel", "mainline"], "--pi5-kernel must be rpi or debian"),
+    (["--user", "daemon"], "--user may not be 'daemon'"),
+    (["--user", "Bad.Name"], "invalid --user 'Bad.Name'"),
+    (["--ssh-key", "/nonexistent.pub"], "--ssh-key /nonexistent.pub: file not found"),
+])
+def test_bad_options_one_line_exit_2(args, words):
+    res = _run([SCRIPT, *args], check=False, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and words in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_missing_tools_are_all_named_before_any_step(tmp_path):
+    """PATH without arch-test, qemu-img-era tools etc.: one line names every
+    missing tool and its package, before anything is built or downloaded."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "dpkg", "grep", "sed", "awk", "id", "tr", "sort", "cat", "env", "head", "git"):
+        p = shutil.which(tool)
+        if p:
+            (bindir / tool).symlink_to(p)
+    res = _run([SCRIPT, "--target", "pi5", "--pi5-kernel", "debian", "--no-models", "--out", tmp_path / "o",
+                "--cache", tmp_path / "c"], check=False, timeout=60, env={"PATH": str(bindir), "HOME": str(tmp_path)})
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip()
+    assert line.count("\n") == 0, line
+    for tool, pkg in (("mmdebstrap", "mmdebstrap"), ("genimage", "genimage"), ("arch-test", "arch-test"),
+                      ("qemu-aarch64-static", "qemu-user-static"), ("dtc", "device-tree-compiler"),
+                      ("lsinitramfs", "initramfs-tools-core")):
+        if _host_arch() == "arm64" and tool in ("arch-test", "qemu-aarch64-static"):
+            continue
+        assert tool in line and pkg in line, line
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
