@@ -229,7 +229,13 @@ esac
 [ -z "$SSH_KEY_FILE" ] || [ -r "$SSH_KEY_FILE" ] || bad "--ssh-key $SSH_KEY_FILE: file not found"
 [ -z "$SSH_KEY_FILE" ] || grep -qE '^(ssh-|ecdsa-|sk-)' "$SSH_KEY_FILE" || bad "--ssh-key $SSH_KEY_FILE holds no public key (expected a line starting ssh-, ecdsa- or sk-)"
 [ -z "$WIFI_FILE" ] || [ -r "$WIFI_FILE" ] || bad "--wifi-file $WIFI_FILE: file not found"
-[ -z "$WIFI_FILE" ] || grep -q '^ssid=' "$WIFI_FILE" || bad "--wifi-file $WIFI_FILE needs an ssid= line"
+if [ -n "$WIFI_FILE" ]; then
+	# The device's own parser (systemd/appliance-firstboot): the same rules
+	# the card applies at first boot, checked before building.
+	wifi_why=$(APPLIANCE_ISO3166=${APPLIANCE_ISO3166:-/usr/share/iso-codes/json/iso_3166-1.json} \
+		bash "$SCRIPT_DIR/systemd/appliance-firstboot" --check-wifi "$WIFI_FILE" 2>&1) ||
+		bad "--wifi-file ${wifi_why:-$WIFI_FILE: invalid} (see firmware-overlay/appliance-wifi.txt.example; country= needs the iso-codes package)"
+fi
 [ -f "$CONFIG_FILE" ] || bad "config file $CONFIG_FILE not found (--config)"
 [ "$(id -u)" = 0 ] || bad "run as root (in a container is fine: no loop devices or mounts of the image are used)"
 if [ -n "$PASSWORD_HASH" ] && [[ "$PASSWORD_HASH" != \$* ]]; then bad "--password-hash must be a crypt hash (openssl passwd -6)"; fi
@@ -614,7 +620,12 @@ setup_users() {
 	local groups=() g
 	for g in sudo adm audio gpio netdev plugdev video; do grep -q "^$g:" "$ROOT/etc/group" && groups+=("$g"); done
 	if ! grep -q "^$ADMIN:" "$ROOT/etc/passwd" && grep -q "^$ADMIN:" "$ROOT/etc/group"; then
-		die "--user $ADMIN clashes with an existing system group in the root; pick another name"
+		bad "--user $ADMIN clashes with an existing system group in the root; pick another name"
+	fi
+	local uid0
+	uid0=$(awk -F: -v u="$ADMIN" '$1==u{print $3}' "$ROOT/etc/passwd")
+	if [ -n "$uid0" ] && { [ "$uid0" -lt 1000 ] || [ "$uid0" -ge 60000 ]; }; then
+		bad "--user $ADMIN is a system account in the root (UID $uid0); pick a personal login name"
 	fi
 	grep -q "^$ADMIN:" "$ROOT/etc/passwd" ||
 		useradd -R "$ROOT" --create-home --shell /bin/bash --user-group --groups "$(IFS=,; echo "${groups[*]}")" "$ADMIN"
@@ -638,6 +649,10 @@ install_appliance_files() {
 	install -D -m 644 "$SCRIPT_DIR/systemd/appliance.service" "$sysd/appliance.service"
 	install -D -m 644 "$SCRIPT_DIR/systemd/appliance-firstboot.service" "$sysd/appliance-firstboot.service"
 	install -D -m 755 "$SCRIPT_DIR/systemd/appliance-firstboot" "$ROOT/usr/lib/appliance/firstboot"
+	# A key-only owner can still edit the config and reload (no password).
+	install -D -m 440 "$SCRIPT_DIR/systemd/appliance-owner.sudoers" "$ROOT/etc/sudoers.d/appliance-owner"
+	# Incoming: SSH and mDNS only.
+	install -D -m 644 "$SCRIPT_DIR/systemd/nftables.conf" "$ROOT/etc/nftables.conf"
 	[ ! -f "$SCRIPT_DIR/docs/image.md" ] || install -D -m 644 "$SCRIPT_DIR/docs/image.md" "$ROOT/usr/share/doc/appliance/image.md"
 	install -D -m 644 "$CONFIG_FILE" "$ROOT/usr/share/appliance/config.yaml.default"
 	# Convenience: `appliance` on the admin's PATH (doctor, devices, stats...).
@@ -669,7 +684,7 @@ install_appliance_files() {
 
 	systemctl --root="$ROOT" enable appliance.service appliance-firstboot.service >/dev/null
 	local u
-	for u in ssh.service avahi-daemon.service NetworkManager.service systemd-timesyncd.service; do
+	for u in ssh.service avahi-daemon.service NetworkManager.service systemd-timesyncd.service nftables.service; do
 		[ -e "$ROOT/lib/systemd/system/$u" ] || [ -e "$ROOT/usr/lib/systemd/system/$u" ] || continue
 		systemctl --root="$ROOT" enable "$u" >/dev/null 2>&1 || true
 	done
