@@ -66,6 +66,7 @@ SKIP_PYTHON=0
 COMPRESS=1
 KEEP_WORK=0
 ONLY_ROOTFS=0
+CHECK_TOOLS_ONLY=0
 DISK_SIG=""
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16"
 
@@ -145,6 +146,8 @@ Testing / advanced:
   --no-compress           do not write .img.xz
   --keep-work             keep the work directory
   --only-rootfs           only build (or find cached) the base root tarball
+  --check-tools           only check that every tool this build needs is
+                          installed (one line naming the missing ones)
   -h, --help              this help
 
 Expected time (x86-64 builder, 2 cores, cold cache): about 1 hour — base
@@ -198,6 +201,7 @@ while [ $# -gt 0 ]; do
 		--no-compress) COMPRESS=0 ;;
 		--keep-work) KEEP_WORK=1 ;;
 		--only-rootfs) ONLY_ROOTFS=1 ;;
+		--check-tools) CHECK_TOOLS_ONLY=1 ;;
 		*) die "unknown option '$1' (see --help)" ;;
 	esac
 	shift
@@ -274,6 +278,7 @@ check_tools() {
 	fi
 }
 check_tools
+if [ $CHECK_TOOLS_ONLY = 1 ]; then echo "build-image.sh: every tool for this build is installed" >&2; exit 0; fi
 
 mkdir -p "$OUT_DIR" "$CACHE_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd); CACHE_DIR=$(cd "$CACHE_DIR" && pwd)
