@@ -271,6 +271,17 @@ check_tools() {
 		command -v "${t%%:*}" >/dev/null 2>&1 && continue
 		missing+=("${t%%:*}"); pkgs+=("${t#*:}")
 	done
+	# Not commands, but needed all the same.
+	if [ $SKIP_PYTHON = 0 ] && command -v python3 >/dev/null && ! python3 -c 'import pip' 2>/dev/null; then
+		missing+=("python3-pip"); pkgs+=("python3-pip")
+	fi
+	if [ $SKIP_PYTHON = 0 ] && [ "$HOST_ARCH" = amd64 ] && [ "$ARCH" = arm64 ] && command -v aarch64-linux-gnu-g++ >/dev/null &&
+		command -v python3 >/dev/null && ! python3 -c 'import ensurepip' 2>/dev/null; then
+		missing+=("python3-venv"); pkgs+=("python3-venv")  # the llama-cpp-python cross-build's tool venv
+	fi
+	if [ -z "$ROOTFS_TAR" ] && [ ! -r /usr/share/keyrings/debian-archive-keyring.gpg ]; then
+		missing+=("debian-archive-keyring.gpg"); pkgs+=("debian-archive-keyring")
+	fi
 	[ ${#missing[@]} = 0 ] ||
 		bad "missing tools: ${missing[*]} — install them first: apt-get install $(printf '%s\n' "${pkgs[@]}" | sort -u | tr '\n' ' ')(see docs/image.md)"
 	if [ $foreign = 1 ] && [ -z "$ROOTFS_TAR" ] && [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] && ! arch-test arm64 >/dev/null 2>&1; then
