@@ -613,7 +613,7 @@ def test_key_only_owner_may_edit_config_and_reload(built, tmp_path):
     def refused(r) -> bool:
         return r.returncode != 0 and ("a password is required" in r.stderr or "not allowed" in r.stderr)
 
-    r = as_admin("sudoedit", "/etc/appliance/config.yaml")
+    r = as_admin("-e", "/etc/appliance/config.yaml")  # sudo -e = sudoedit
     assert r.returncode == 0, r.stderr
     assert (root / "etc/appliance/config.yaml").read_text().endswith("# edited by the owner\n")
     # systemctl itself cannot talk to systemd in a chroot; sudo let it run.
