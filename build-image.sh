@@ -827,6 +827,8 @@ pi5_boot_files() {
 # real root); the fast tests' fake roots bring their own initrd.
 pi5_debian_boot() {
 	local kver=$1
+	local same_initramfs=0
+	cmp -s "$PI5_DEBIAN_DIR/initramfs-hook" "$ROOT/etc/initramfs-tools/hooks/appliance-pi5" && same_initramfs=1
 	install -D -m 755 "$PI5_DEBIAN_DIR/kernel-hook" "$ROOT/etc/kernel/postinst.d/zz-appliance-pi5-boot"
 	install -D -m 755 "$PI5_DEBIAN_DIR/kernel-hook" "$ROOT/etc/initramfs/post-update.d/zz-appliance-pi5-boot"
 	install -D -m 755 "$PI5_DEBIAN_DIR/initramfs-hook" "$ROOT/etc/initramfs-tools/hooks/appliance-pi5"
@@ -834,7 +836,9 @@ pi5_debian_boot() {
 	sed "s/@SUITE@/$SUITE/g" -i "$ROOT/etc/apt/preferences.d/appliance-kernel-backports"
 	mkdir -p "$ROOT/boot/firmware"
 	in_root /etc/kernel/postinst.d/zz-appliance-pi5-boot "$kver" >&2 || die "the pi5 kernel hook failed for $kver"
-	if [ -x "$ROOT/usr/sbin/update-initramfs" ]; then
+	# The cached base root's initramfs was made with the same hook: reuse it
+	# (a rebuild under emulation takes minutes).
+	if [ -x "$ROOT/usr/sbin/update-initramfs" ] && { [ $same_initramfs = 0 ] || [ ! -e "$ROOT/boot/initrd.img-$kver" ]; }; then
 		log "rebuilding the initramfs for $kver (SD/RP1 modules)"
 		in_root update-initramfs -u -k "$kver" >&2 || die "update-initramfs failed for $kver"
 	else
