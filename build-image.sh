@@ -530,7 +530,7 @@ llama_wheelhouse() {
 		--setup-hook="sync-in $CACHE_DIR/debs/$ARCH /var/cache/apt/archives" \
 		--customize-hook='cp /etc/resolv.conf "$1/etc/resolv.conf"' \
 		--customize-hook="mkdir -p \"\$1/tmp/wh\"; cp '${ca:-/etc/ssl/certs/ca-certificates.crt}' \"\$1/tmp/wh/ca.crt\"" \
-		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt CMAKE_ARGS='$LLAMA_CMAKE_ARGS' CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps -w /wheels llama-cpp-python${ver:+==$ver}'" \
+		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt SSL_CERT_FILE=/tmp/wh/ca.crt CMAKE_ARGS='$LLAMA_CMAKE_ARGS' CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps -w /wheels llama-cpp-python${ver:+==$ver}'" \
 		--customize-hook="sync-out /wheels $cache" \
 		"$SUITE" /dev/null "deb $MIRROR $SUITE main" || die "building llama-cpp-python failed; build it on an arm64 machine and pass --wheelhouse DIR"
 	log "llama-cpp-python built in $((SECONDS - t0)) s"
@@ -558,7 +558,7 @@ lgpio_wheelhouse() {
 		--setup-hook="sync-in $CACHE_DIR/debs/$ARCH /var/cache/apt/archives" \
 		--customize-hook='cp /etc/resolv.conf "$1/etc/resolv.conf"' \
 		--customize-hook="mkdir -p \"\$1/tmp/wh\"; cp '${ca:-/etc/ssl/certs/ca-certificates.crt}' \"\$1/tmp/wh/ca.crt\"" \
-		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt PYPI=1 sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps --no-binary lgpio -w /wheels lgpio==$LGPIO_VERSION'" \
+		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt SSL_CERT_FILE=/tmp/wh/ca.crt PYPI=1 sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps --no-binary lgpio -w /wheels lgpio==$LGPIO_VERSION'" \
 		--customize-hook="sync-out /wheels $cache" \
 		"$SUITE" /dev/null "deb $MIRROR $SUITE main" >&2 || die "building lgpio failed; build it on an arm64 machine (PYPI=1 pip wheel lgpio==$LGPIO_VERSION) and pass --wheelhouse DIR"
 	log "lgpio built in $((SECONDS - t0)) s"
@@ -578,6 +578,9 @@ host_ca_bundle() {
 # pip settings passed into the chroot: the CA bundle and http(s) indexes.
 chroot_pip_env() {
 	echo "PIP_CERT=/tmp/wh/ca.crt"
+	# pip >= 24.2 verifies with the system store (truststore), which only
+	# SSL_CERT_FILE points at the builder's bundle (a TLS-intercepting proxy).
+	echo "SSL_CERT_FILE=/tmp/wh/ca.crt"
 	echo "PIP_DISABLE_PIP_VERSION_CHECK=1"
 	echo "PIP_DEFAULT_TIMEOUT=${PIP_DEFAULT_TIMEOUT:-120}"
 	case "${PIP_INDEX_URL:-}" in http*) echo "PIP_INDEX_URL=$PIP_INDEX_URL" ;; esac
