@@ -9,6 +9,7 @@
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PI5_DEBIAN_DIR="$SCRIPT_DIR/firmware-overlay/pi5-debian"
 HOST_ARCH=$(dpkg --print-architecture 2>/dev/null || echo unknown)
 
 # --------------------------------------------------------------------------
@@ -43,6 +44,7 @@ SECURITY_MIRROR="http://deb.debian.org/debian-security"
 RPI_MIRROR="http://archive.raspberrypi.com/debian"
 RPI_KEYRING=""
 HAT=none
+PI5_KERNEL=rpi
 HOSTNAME_=appliance
 ADMIN="admin"
 SSH_KEY_FILE=""
@@ -64,6 +66,7 @@ SKIP_PYTHON=0
 COMPRESS=1
 KEEP_WORK=0
 ONLY_ROOTFS=0
+CHECK_TOOLS_ONLY=0
 DISK_SIG=""
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16"
 
@@ -78,10 +81,16 @@ Run as root (a plain container is fine). Downloads are cached in
 the same inputs reuses the cached root filesystem, wheels and models.
 
 Target:
-  --target pi5|qemu       pi5: Raspberry Pi archive kernel+firmware (default)
+  --target pi5|qemu       pi5: a Raspberry Pi 5 SD card (default)
                           qemu: Debian linux-image-arm64, boots in
                           qemu-system-aarch64 -M virt (kernel/initrd are also
                           written next to the image)
+  --pi5-kernel rpi|debian kernel of the pi5 target (default: rpi)
+                          rpi: linux-image-rpi-2712 from the Raspberry Pi
+                          archive (16K pages; I2S HAT overlays, fan control)
+                          debian: linux-image-arm64 from \${SUITE}-backports,
+                          nothing from the Raspberry Pi archive (4K pages;
+                          USB audio only: no HAT overlays, no fan curve)
   --version V             image version (default: from pyproject.toml)
   --out DIR               output directory (default: ./out)
   --cache DIR             download/build cache
@@ -137,6 +146,8 @@ Testing / advanced:
   --no-compress           do not write .img.xz
   --keep-work             keep the work directory
   --only-rootfs           only build (or find cached) the base root tarball
+  --check-tools           only check that every tool this build needs is
+                          installed (one line naming the missing ones)
   -h, --help              this help
 
 Expected time (x86-64 builder, 2 cores, cold cache): about 1 hour — base
@@ -148,6 +159,8 @@ EOF
 }
 
 die() { echo "build-image.sh: error: $*" >&2; exit 1; }
+# Bad input (an option, a file given on the command line, a missing tool): one line, exit 2.
+bad() { echo "build-image.sh: error: $*" >&2; exit 2; }
 log() { echo "==> $*" >&2; }
 need() { command -v "$1" >/dev/null 2>&1 || die "missing tool '$1' (Debian package: $2)"; }
 
@@ -165,6 +178,7 @@ while [ $# -gt 0 ]; do
 		--rpi-mirror) RPI_MIRROR=${2:?}; shift ;;
 		--rpi-keyring) RPI_KEYRING=${2:?}; shift ;;
 		--hat) HAT=${2:?}; shift ;;
+		--pi5-kernel) PI5_KERNEL=${2:?}; shift ;;
 		--hostname) HOSTNAME_=${2:?}; shift ;;
 		--user) ADMIN=${2:?}; shift ;;
 		--ssh-key) SSH_KEY_FILE=${2:?}; shift ;;
@@ -187,41 +201,95 @@ while [ $# -gt 0 ]; do
 		--no-compress) COMPRESS=0 ;;
 		--keep-work) KEEP_WORK=1 ;;
 		--only-rootfs) ONLY_ROOTFS=1 ;;
+		--check-tools) CHECK_TOOLS_ONLY=1 ;;
 		*) die "unknown option '$1' (see --help)" ;;
 	esac
 	shift
 done
 
 # ---------------------------------------------------------------- validation
-case "$TARGET" in pi5|qemu) ;; *) die "--target must be pi5 or qemu" ;; esac
+# Every check on the command line comes before any build step; each failure
+# is one line naming the option and the fix, exit status 2.
+case "$TARGET" in pi5|qemu) ;; *) bad "--target must be pi5 or qemu, not '$TARGET'" ;; esac
+case "$PI5_KERNEL" in rpi|debian) ;; *) bad "--pi5-kernel must be rpi or debian, not '$PI5_KERNEL'" ;; esac
 ARCH=${ARCH:-arm64}
 if [ "$ARCH" != arm64 ] && [ -z "$ROOTFS_TAR" ]; then
-	die "--arch $ARCH is only for structure tests with --rootfs-tar (the appliance runs on arm64)"
+	bad "--arch $ARCH is only for structure tests with --rootfs-tar (the appliance runs on arm64)"
 fi
 grep -qE "^${HAT}[[:space:]]" "$SCRIPT_DIR/firmware-overlay/hats.list" ||
-	die "unknown --hat '$HAT' (known: $(grep -v '^#' "$SCRIPT_DIR/firmware-overlay/hats.list" | awk '{print $1}' | tr '\n' ' '))"
-[[ "$HOSTNAME_" =~ ^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$ ]] || die "invalid --hostname '$HOSTNAME_'"
-[[ "$ADMIN" =~ ^[a-z_][a-z0-9_-]{0,30}$ ]] || die "invalid --user '$ADMIN'"
-case "$ADMIN" in root|appliance) die "--user may not be '$ADMIN'" ;; esac
-[ -z "$SSH_KEY_FILE" ] || grep -qE '^(ssh-|ecdsa-|sk-)' "$SSH_KEY_FILE" || die "--ssh-key $SSH_KEY_FILE holds no public key"
-[ -z "$WIFI_FILE" ] || grep -q '^ssid=' "$WIFI_FILE" || die "--wifi-file needs an ssid= line"
-[ -f "$CONFIG_FILE" ] || die "config file $CONFIG_FILE not found (--config)"
-[ "$(id -u)" = 0 ] || die "run as root (in a container is fine: no loop devices or mounts of the image are used)"
-if [ -n "$PASSWORD_HASH" ] && [[ "$PASSWORD_HASH" != \$* ]]; then die "--password-hash must be a crypt hash (openssl passwd -6)"; fi
-if [ $NO_MODELS = 1 ] && [ -n "$MODELS_DIR" ]; then die "--no-models and --models-dir exclude each other"; fi
+	bad "unknown --hat '$HAT' (known: $(grep -v '^#' "$SCRIPT_DIR/firmware-overlay/hats.list" | awk '{print $1}' | tr '\n' ' '))"
+if [ "$TARGET" = pi5 ] && [ "$PI5_KERNEL" = debian ] && [ "$HAT" != none ]; then
+	bad "--hat $HAT needs the Raspberry Pi kernel (Debian's kernel has no I2S sound-card overlays for voice HATs): use --pi5-kernel rpi, or --hat none with a USB sound card"
+fi
+[[ "$HOSTNAME_" =~ ^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$ ]] || bad "invalid --hostname '$HOSTNAME_' (lower-case letters, digits and inner hyphens, at most 63)"
+# useradd's rule (shadow's default NAME_REGEX, 32 characters at most), minus
+# the names Debian gives system accounts; the root itself is checked again
+# in setup_users (an existing account with a system UID is refused).
+[[ "$ADMIN" =~ ^[a-z_][a-z0-9_-]{0,31}$ ]] || bad "invalid --user '$ADMIN' (useradd's rule: a lower-case letter or _, then letters, digits, _ or -, at most 32)"
+case "$ADMIN" in
+	root|appliance|daemon|bin|sys|sync|games|man|lp|mail|news|uucp|proxy|www-data|backup|list|irc|gnats|nobody|_apt|messagebus|sshd|avahi|polkitd|tss|systemd-*|dnsmasq|nm-openvpn|usbmux|pulse|rtkit|sudo|adm|audio|gpio|video|plugdev|netdev|staff|users|input|render|kmem|dialout|disk|tty)
+		bad "--user may not be '$ADMIN' (a system account or group); pick a personal login name" ;;
+esac
+[ -z "$SSH_KEY_FILE" ] || [ -r "$SSH_KEY_FILE" ] || bad "--ssh-key $SSH_KEY_FILE: file not found"
+[ -z "$SSH_KEY_FILE" ] || grep -qE '^(ssh-|ecdsa-|sk-)' "$SSH_KEY_FILE" || bad "--ssh-key $SSH_KEY_FILE holds no public key (expected a line starting ssh-, ecdsa- or sk-)"
+[ -z "$WIFI_FILE" ] || [ -r "$WIFI_FILE" ] || bad "--wifi-file $WIFI_FILE: file not found"
+if [ -n "$WIFI_FILE" ]; then
+	# The device's own parser (systemd/appliance-firstboot): the same rules
+	# the card applies at first boot, checked before building.
+	wifi_why=$(APPLIANCE_ISO3166=${APPLIANCE_ISO3166:-/usr/share/iso-codes/json/iso_3166-1.json} \
+		bash "$SCRIPT_DIR/systemd/appliance-firstboot" --check-wifi "$WIFI_FILE" 2>&1) ||
+		bad "--wifi-file ${wifi_why:-$WIFI_FILE: invalid} (see firmware-overlay/appliance-wifi.txt.example; country= needs the iso-codes package)"
+fi
+[ -f "$CONFIG_FILE" ] || bad "config file $CONFIG_FILE not found (--config)"
+[ "$(id -u)" = 0 ] || bad "run as root (in a container is fine: no loop devices or mounts of the image are used)"
+if [ -n "$PASSWORD_HASH" ] && [[ "$PASSWORD_HASH" != \$* ]]; then bad "--password-hash must be a crypt hash (openssl passwd -6)"; fi
+if [ $NO_MODELS = 1 ] && [ -n "$MODELS_DIR" ]; then bad "--no-models and --models-dir exclude each other"; fi
 
 if [ -z "$VERSION" ]; then
 	VERSION=$(sed -nE 's/^version[[:space:]]*=[[:space:]]*"([^"]+)".*/\1/p' "$SCRIPT_DIR/pyproject.toml" 2>/dev/null | head -n1)
 	VERSION=${VERSION:-$(git -C "$SCRIPT_DIR" describe --tags --always 2>/dev/null || echo 0.0.0)}
 fi
 NAME="appliance-$VERSION"; [ "$TARGET" = qemu ] && NAME="$NAME-qemu"
+if [ "$TARGET" = pi5 ] && [ "$PI5_KERNEL" = debian ]; then NAME="$NAME-debian-kernel"; fi
 if [ -z "$ROOT_SIZE" ]; then ROOT_SIZE=$([ "$TARGET" = pi5 ] && echo 5G || echo 4G); fi
 
-for t in genimage:genimage mkdosfs:dosfstools mcopy:mtools mke2fs:e2fsprogs sfdisk:fdisk sha256sum:coreutils; do
-	need "${t%%:*}" "${t#*:}"
-done
-[ -n "$ROOTFS_TAR" ] || need mmdebstrap mmdebstrap
-[ $COMPRESS = 0 ] || need xz xz-utils
+# Every tool the whole build will need, checked now (a missing one used to
+# surface only after a 17-minute root build). One line lists all of them.
+check_tools() {
+	local t missing=() pkgs=() foreign=0
+	[ "$ARCH" = "$HOST_ARCH" ] || [ "$ARCH" != arm64 ] || foreign=1
+	local list="genimage:genimage mkdosfs:dosfstools mcopy:mtools mdir:mtools mke2fs:e2fsprogs sfdisk:fdisk sha256sum:coreutils python3:python3"
+	[ -n "$ROOTFS_TAR" ] || list="$list mmdebstrap:mmdebstrap"
+	[ -n "$ROOTFS_TAR" ] || [ $foreign = 0 ] || list="$list arch-test:arch-test qemu-aarch64-static:qemu-user-static update-binfmts:binfmt-support"
+	[ $COMPRESS = 0 ] || list="$list xz:xz-utils"
+	[ $PASSWORD_PROMPT = 0 ] || list="$list openssl:openssl"
+	[ $NO_MODELS = 1 ] || [ -n "$MODELS_DIR" ] || list="$list curl:curl"
+	if [ "$TARGET" = pi5 ] && [ -z "$ROOTFS_TAR" ] && [ "$PI5_KERNEL" = rpi ] && [ -z "$RPI_KEYRING" ]; then list="$list curl:curl gpg:gpg"; fi
+	# The Pi 5 boot-partition check at the end of every Pi 5 build.
+	[ "$TARGET" != pi5 ] || list="$list dtc:device-tree-compiler lsinitramfs:initramfs-tools-core zstd:zstd"
+	for t in $list; do
+		command -v "${t%%:*}" >/dev/null 2>&1 && continue
+		missing+=("${t%%:*}"); pkgs+=("${t#*:}")
+	done
+	# Not commands, but needed all the same.
+	if [ $SKIP_PYTHON = 0 ] && command -v python3 >/dev/null && ! python3 -c 'import pip' 2>/dev/null; then
+		missing+=("python3-pip"); pkgs+=("python3-pip")
+	fi
+	if [ $SKIP_PYTHON = 0 ] && [ "$HOST_ARCH" = amd64 ] && [ "$ARCH" = arm64 ] && command -v aarch64-linux-gnu-g++ >/dev/null &&
+		command -v python3 >/dev/null && ! python3 -c 'import ensurepip' 2>/dev/null; then
+		missing+=("python3-venv"); pkgs+=("python3-venv")  # the llama-cpp-python cross-build's tool venv
+	fi
+	if [ -z "$ROOTFS_TAR" ] && [ ! -r /usr/share/keyrings/debian-archive-keyring.gpg ]; then
+		missing+=("debian-archive-keyring.gpg"); pkgs+=("debian-archive-keyring")
+	fi
+	[ ${#missing[@]} = 0 ] ||
+		bad "missing tools: ${missing[*]} — install them first: apt-get install $(printf '%s\n' "${pkgs[@]}" | sort -u | tr '\n' ' ')(see docs/image.md)"
+	if [ $foreign = 1 ] && [ -z "$ROOTFS_TAR" ] && [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] && ! arch-test arm64 >/dev/null 2>&1; then
+		bad "arch-test arm64 fails: this machine cannot run arm64 programs (enable the qemu-aarch64 binfmt handler: update-binfmts --enable qemu-aarch64)"
+	fi
+}
+check_tools
+if [ $CHECK_TOOLS_ONLY = 1 ]; then echo "build-image.sh: every tool for this build is installed" >&2; exit 0; fi
 
 mkdir -p "$OUT_DIR" "$CACHE_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd); CACHE_DIR=$(cd "$CACHE_DIR" && pwd)
@@ -289,10 +357,15 @@ common_packages() {
 	openssh-server avahi-daemon libnss-mdns network-manager
 	initramfs-tools cloud-guest-utils fdisk e2fsprogs dosfstools
 	python3 python3-venv libportaudio2 libsndfile1 libgomp1 alsa-utils
+	nftables iso-codes
 	EOF
-	case "$TARGET" in
-		pi5) echo "raspi-firmware linux-image-rpi-2712 raspberrypi-sys-mods raspberrypi-archive-keyring firmware-brcm80211 wpasupplicant wireless-regdb iw rfkill" ;;
-		qemu) echo "linux-image-arm64" ;;
+	case "$TARGET-$PI5_KERNEL" in
+		pi5-rpi) echo "raspi-firmware linux-image-rpi-2712 raspberrypi-sys-mods raspberrypi-archive-keyring firmware-brcm80211 wpasupplicant wireless-regdb iw rfkill" ;;
+		# Debian's own kernel from backports (trixie's 6.12 lacks the Pi 5's
+		# SD controller and RP1); no raspi-firmware: our kernel hook fills
+		# /boot/firmware (firmware-overlay/pi5-debian/).
+		pi5-debian) echo "linux-image-arm64/$SUITE-backports firmware-brcm80211 wpasupplicant wireless-regdb iw rfkill" ;;
+		qemu-*) echo "linux-image-arm64" ;;
 	esac
 }
 
@@ -316,8 +389,12 @@ rpi_keyring() {
 build_base_rootfs() {
 	local pkgs key tar keyring_opts=() sources=()
 	pkgs=$(common_packages | tr -s ' \n' '\n' | sort -u | tr '\n' ' ')
-	key=$(printf '%s\n' "v3" "$TARGET" "$ARCH" "$SUITE" "$MIRROR" "$RPI_MIRROR" "$pkgs" | sha256sum | cut -c1-16)
-	tar="$CACHE_DIR/rootfs/base-$TARGET-$ARCH-$SUITE-$key.tar"
+	local flavour=$TARGET hooks=()
+	[ "$TARGET" != pi5 ] || flavour="pi5-$PI5_KERNEL"
+	# (The pi5-debian hooks are not in the key: the image step installs the
+	# current ones again and re-runs them, see pi5_debian_boot.)
+	key=$(printf '%s\n' "v4" "$flavour" "$ARCH" "$SUITE" "$MIRROR" "$RPI_MIRROR" "$pkgs" | sha256sum | cut -c1-16)
+	tar="$CACHE_DIR/rootfs/base-$flavour-$ARCH-$SUITE-$key.tar"
 	BASE_TAR=$tar
 	if [ -s "$tar" ]; then log "base root filesystem: cached $(basename "$tar")"; return 0; fi
 	mkdir -p "$CACHE_DIR/rootfs" "$CACHE_DIR/debs/$ARCH"
@@ -325,9 +402,20 @@ build_base_rootfs() {
 		"deb $MIRROR $SUITE-updates main non-free-firmware"
 		"deb $SECURITY_MIRROR $SUITE-security main non-free-firmware")
 	keyring_opts=(--keyring=/usr/share/keyrings/debian-archive-keyring.gpg)
-	if [ "$TARGET" = pi5 ]; then
+	if [ "$flavour" = pi5-rpi ]; then
 		keyring_opts+=(--keyring="$(rpi_keyring)")
 		sources+=("deb $RPI_MIRROR $SUITE main")
+	fi
+	if [ "$flavour" = pi5-debian ]; then
+		sources+=("deb $MIRROR $SUITE-backports main non-free-firmware")
+		# Before the kernel package installs: its postinst runs our hook,
+		# which puts the kernel and device trees on /boot/firmware under the
+		# names config.txt uses. The initramfs gets the SD/RP1 modules, and is
+		# copied by the initramfs post-update hook when it is built (below).
+		hooks=(--essential-hook="mkdir -p \"\$1/etc/kernel/postinst.d\" \"\$1/etc/initramfs/post-update.d\" \"\$1/boot/firmware\""
+			--essential-hook="install -m 755 '$PI5_DEBIAN_DIR/kernel-hook' \"\$1/etc/kernel/postinst.d/zz-appliance-pi5-boot\""
+			--essential-hook="install -m 755 '$PI5_DEBIAN_DIR/kernel-hook' \"\$1/etc/initramfs/post-update.d/zz-appliance-pi5-boot\""
+			--customize-hook="install -D -m 755 '$PI5_DEBIAN_DIR/initramfs-hook' \"\$1/etc/initramfs-tools/hooks/appliance-pi5\"")
 	fi
 	log "mmdebstrap: $SUITE/$ARCH for $TARGET (cold: ~15-30 min under emulation)"
 	local t0=$SECONDS
@@ -344,6 +432,7 @@ build_base_rootfs() {
 		--setup-hook="sync-in $CACHE_DIR/debs/$ARCH /var/cache/apt/archives" \
 		--essential-hook='chroot "$1" dpkg-divert --quiet --local --rename --add /usr/sbin/update-initramfs' \
 		--essential-hook='printf "#!/bin/sh\necho \"update-initramfs: deferred by build-image.sh\" >&2\nexit 0\n" >"$1/usr/sbin/update-initramfs"; chmod 755 "$1/usr/sbin/update-initramfs"' \
+		"${hooks[@]}" \
 		--customize-hook="sync-out /var/cache/apt/archives $CACHE_DIR/debs/$ARCH" \
 		--customize-hook='rm -f "$1/usr/sbin/update-initramfs"; chroot "$1" dpkg-divert --quiet --local --rename --remove /usr/sbin/update-initramfs' \
 		--customize-hook='chroot "$1" update-initramfs -c -k all' \
@@ -441,10 +530,38 @@ llama_wheelhouse() {
 		--setup-hook="sync-in $CACHE_DIR/debs/$ARCH /var/cache/apt/archives" \
 		--customize-hook='cp /etc/resolv.conf "$1/etc/resolv.conf"' \
 		--customize-hook="mkdir -p \"\$1/tmp/wh\"; cp '${ca:-/etc/ssl/certs/ca-certificates.crt}' \"\$1/tmp/wh/ca.crt\"" \
-		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt CMAKE_ARGS='$LLAMA_CMAKE_ARGS' CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps -w /wheels llama-cpp-python${ver:+==$ver}'" \
+		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt SSL_CERT_FILE=/tmp/wh/ca.crt CMAKE_ARGS='$LLAMA_CMAKE_ARGS' CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps -w /wheels llama-cpp-python${ver:+==$ver}'" \
 		--customize-hook="sync-out /wheels $cache" \
 		"$SUITE" /dev/null "deb $MIRROR $SUITE main" || die "building llama-cpp-python failed; build it on an arm64 machine and pass --wheelhouse DIR"
 	log "llama-cpp-python built in $((SECONDS - t0)) s"
+	echo "$cache"
+}
+
+# lgpio (gpiozero's pin factory on a Pi 5) has no aarch64 wheel on PyPI for
+# trixie's Python 3.13 and no Debian package; with --prefer-binary pip would
+# take its empty 0.0.0.2 placeholder wheel. So build the real one (statically
+# linked with its C library, PYPI=1) once in a scratch arm64 chroot: a few
+# minutes under emulation, cached in <cache>/wheels/arm64.
+LGPIO_VERSION=0.2.2.0
+lgpio_wheelhouse() {
+	local cache="$CACHE_DIR/wheels/$ARCH"
+	mkdir -p "$cache"
+	if [ -n "$WHEELHOUSE" ] && ls "$WHEELHOUSE"/lgpio-"$LGPIO_VERSION"-*.whl >/dev/null 2>&1; then echo "$WHEELHOUSE"; return; fi
+	if ls "$cache"/lgpio-"$LGPIO_VERSION"-*.whl >/dev/null 2>&1; then echo "$cache"; return; fi
+	log "building lgpio $LGPIO_VERSION for $ARCH in a scratch chroot (a few minutes under emulation; cached afterwards)"
+	local t0=$SECONDS ca; ca=$(host_ca_bundle)
+	mmdebstrap --arch="$ARCH" --variant=apt --format=null \
+		--keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
+		--aptopt='APT::Install-Recommends "false"' \
+		--include="gcc libc6-dev swig python3-dev python3-venv python3-pip ca-certificates" \
+		--setup-hook='mkdir -p "$1/var/cache/apt/archives"' \
+		--setup-hook="sync-in $CACHE_DIR/debs/$ARCH /var/cache/apt/archives" \
+		--customize-hook='cp /etc/resolv.conf "$1/etc/resolv.conf"' \
+		--customize-hook="mkdir -p \"\$1/tmp/wh\"; cp '${ca:-/etc/ssl/certs/ca-certificates.crt}' \"\$1/tmp/wh/ca.crt\"" \
+		--customize-hook="chroot \"\$1\" env PIP_CERT=/tmp/wh/ca.crt SSL_CERT_FILE=/tmp/wh/ca.crt PYPI=1 sh -c 'python3 -m venv /b && /b/bin/pip wheel --no-deps --no-binary lgpio -w /wheels lgpio==$LGPIO_VERSION'" \
+		--customize-hook="sync-out /wheels $cache" \
+		"$SUITE" /dev/null "deb $MIRROR $SUITE main" >&2 || die "building lgpio failed; build it on an arm64 machine (PYPI=1 pip wheel lgpio==$LGPIO_VERSION) and pass --wheelhouse DIR"
+	log "lgpio built in $((SECONDS - t0)) s"
 	echo "$cache"
 }
 
@@ -461,6 +578,9 @@ host_ca_bundle() {
 # pip settings passed into the chroot: the CA bundle and http(s) indexes.
 chroot_pip_env() {
 	echo "PIP_CERT=/tmp/wh/ca.crt"
+	# pip >= 24.2 verifies with the system store (truststore), which only
+	# SSL_CERT_FILE points at the builder's bundle (a TLS-intercepting proxy).
+	echo "SSL_CERT_FILE=/tmp/wh/ca.crt"
 	echo "PIP_DISABLE_PIP_VERSION_CHECK=1"
 	echo "PIP_DEFAULT_TIMEOUT=${PIP_DEFAULT_TIMEOUT:-120}"
 	case "${PIP_INDEX_URL:-}" in http*) echo "PIP_INDEX_URL=$PIP_INDEX_URL" ;; esac
@@ -478,10 +598,12 @@ install_python() {
 	pyver=$(in_root python3 -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")') || die "python3 does not run in the root (emulation?)"
 	whl=$(app_wheel)
 	llama=""; [ "$ARCH" = arm64 ] && llama=$(llama_wheelhouse "$pyver")
+	local lgpio=""; [ "$ARCH" = arm64 ] && [ "$TARGET" = pi5 ] && lgpio=$(lgpio_wheelhouse)
 	log "installing the Python environment in $VENV"
 	mkdir -p "$ROOT/tmp/wh/app" "$ROOT/tmp/wh/extra" "$ROOT/tmp/pipcache" "$CACHE_DIR/pip"
 	cp "$whl" "$ROOT/tmp/wh/app/"
 	[ -z "$llama" ] || cp "$llama"/*.whl "$ROOT/tmp/wh/extra/"
+	[ -z "$lgpio" ] || cp "$lgpio"/lgpio-*.whl "$ROOT/tmp/wh/extra/"
 	[ -z "$WHEELHOUSE" ] || cp "$WHEELHOUSE"/*.whl "$ROOT/tmp/wh/extra/" 2>/dev/null || true
 	cp -a "$CACHE_DIR/pip/." "$ROOT/tmp/pipcache/"
 	local ca; ca=$(host_ca_bundle)
@@ -490,14 +612,16 @@ install_python() {
 	local resolv_backup=""
 	if [ -e "$ROOT/etc/resolv.conf" ] || [ -L "$ROOT/etc/resolv.conf" ]; then resolv_backup=$(mktemp); cp -P "$ROOT/etc/resolv.conf" "$resolv_backup"; fi
 	rm -f "$ROOT/etc/resolv.conf"; cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
-	local extra=(lgpio); [ "$TARGET" = qemu ] && extra=()
+	local extra=("lgpio==$LGPIO_VERSION"); [ "$TARGET" = qemu ] && extra=()
 	in_root python3 -m venv "$VENV"
 	in_root env PIP_CACHE_DIR=/tmp/pipcache "${pipenv[@]}" \
 		"$VENV/bin/pip" install --prefer-binary --find-links /tmp/wh/extra \
 		"$(ls "$ROOT"/tmp/wh/app/*.whl | sed "s#^$ROOT##")" "${extra[@]}" ||
 		die "pip install of the appliance failed"
 	in_root env PIP_CACHE_DIR=/tmp/pipcache "${pipenv[@]}" "$VENV/bin/pip" install --no-deps silero-vad 'pipecat-ai==1.14.0' || die "pip install silero-vad pipecat-ai failed"
-	in_root "$VENV/bin/python" -c 'import llama_cpp, onnxruntime, numpy, sounddevice, soundfile' ||
+	local imports="llama_cpp, onnxruntime, numpy, sounddevice, soundfile"
+	[ "$TARGET" = qemu ] || imports="$imports, lgpio; lgpio.gpiochip_open"
+	in_root "$VENV/bin/python" -c "import $imports" ||
 		die "the Python environment does not import its native dependencies"
 	cp -a "$ROOT/tmp/pipcache/." "$CACHE_DIR/pip/" 2>/dev/null || true
 	rm -rf "$ROOT/tmp/wh" "$ROOT/tmp/pipcache" "$ROOT/root/.cache"
@@ -515,7 +639,12 @@ setup_users() {
 	local groups=() g
 	for g in sudo adm audio gpio netdev plugdev video; do grep -q "^$g:" "$ROOT/etc/group" && groups+=("$g"); done
 	if ! grep -q "^$ADMIN:" "$ROOT/etc/passwd" && grep -q "^$ADMIN:" "$ROOT/etc/group"; then
-		die "--user $ADMIN clashes with an existing system group in the root; pick another name"
+		bad "--user $ADMIN clashes with an existing system group in the root; pick another name"
+	fi
+	local uid0
+	uid0=$(awk -F: -v u="$ADMIN" '$1==u{print $3}' "$ROOT/etc/passwd")
+	if [ -n "$uid0" ] && { [ "$uid0" -lt 1000 ] || [ "$uid0" -ge 60000 ]; }; then
+		bad "--user $ADMIN is a system account in the root (UID $uid0); pick a personal login name"
 	fi
 	grep -q "^$ADMIN:" "$ROOT/etc/passwd" ||
 		useradd -R "$ROOT" --create-home --shell /bin/bash --user-group --groups "$(IFS=,; echo "${groups[*]}")" "$ADMIN"
@@ -539,6 +668,10 @@ install_appliance_files() {
 	install -D -m 644 "$SCRIPT_DIR/systemd/appliance.service" "$sysd/appliance.service"
 	install -D -m 644 "$SCRIPT_DIR/systemd/appliance-firstboot.service" "$sysd/appliance-firstboot.service"
 	install -D -m 755 "$SCRIPT_DIR/systemd/appliance-firstboot" "$ROOT/usr/lib/appliance/firstboot"
+	# A key-only owner can still edit the config and reload (no password).
+	install -D -m 440 "$SCRIPT_DIR/systemd/appliance-owner.sudoers" "$ROOT/etc/sudoers.d/appliance-owner"
+	# Incoming: SSH and mDNS only.
+	install -D -m 644 "$SCRIPT_DIR/systemd/nftables.conf" "$ROOT/etc/nftables.conf"
 	[ ! -f "$SCRIPT_DIR/docs/image.md" ] || install -D -m 644 "$SCRIPT_DIR/docs/image.md" "$ROOT/usr/share/doc/appliance/image.md"
 	install -D -m 644 "$CONFIG_FILE" "$ROOT/usr/share/appliance/config.yaml.default"
 	# Convenience: `appliance` on the admin's PATH (doctor, devices, stats...).
@@ -570,7 +703,7 @@ install_appliance_files() {
 
 	systemctl --root="$ROOT" enable appliance.service appliance-firstboot.service >/dev/null
 	local u
-	for u in ssh.service avahi-daemon.service NetworkManager.service systemd-timesyncd.service; do
+	for u in ssh.service avahi-daemon.service NetworkManager.service systemd-timesyncd.service nftables.service; do
 		[ -e "$ROOT/lib/systemd/system/$u" ] || [ -e "$ROOT/usr/lib/systemd/system/$u" ] || continue
 		systemctl --root="$ROOT" enable "$u" >/dev/null 2>&1 || true
 	done
@@ -604,6 +737,12 @@ configure_system() {
 	printf '[Journal]\nStorage=persistent\nSystemMaxUse=64M\n' >"$ROOT/etc/systemd/journald.conf.d/10-appliance.conf"
 	# Runtime apt sources (the build used the same).
 	if [ "$TARGET" = pi5 ]; then
+		# /dev/gpiochip* to the gpio group (the appliance user is in it), so
+		# gpiozero/lgpio reach the header's RP1 chip. raspberrypi-sys-mods
+		# does this on the Raspberry Pi kernel; Debian's kernel has nothing.
+		install -D -m 644 "$SCRIPT_DIR/firmware-overlay/60-appliance-gpio.rules" "$ROOT/etc/udev/rules.d/60-appliance-gpio.rules"
+	fi
+	if [ "$TARGET-$PI5_KERNEL" = pi5-rpi ]; then
 		cat >"$ROOT/etc/apt/sources.list.d/raspi.sources" <<-EOF
 		Types: deb
 		URIs: $RPI_MIRROR
@@ -618,6 +757,7 @@ configure_system() {
 	arch=$ARCH
 	suite=$SUITE
 	hat=$HAT
+	pi5_kernel=$([ "$TARGET" = pi5 ] && echo "$PI5_KERNEL" || echo n/a)
 	models=$([ $NO_MODELS = 1 ] && echo none || echo "$MODEL_NAME $MMPROJ_NAME")
 	python=$([ $SKIP_PYTHON = 1 ] && echo skipped || echo "$VENV")
 	built=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -632,37 +772,84 @@ boot_partition() {
 		find "$ROOT/boot/firmware" -mindepth 1 -delete
 	fi
 	mkdir -p "$ROOT/boot/firmware"
-	if [ "$TARGET" = pi5 ] && [ "$ARCH" = arm64 ] && [ -z "$ROOTFS_TAR" ]; then
-		pi5_boot_files
-	fi
-	sed -E "s/^#hat=$HAT: //" "$SCRIPT_DIR/firmware-overlay/config.txt" >"$BOOTP/config.txt"
-	sed "s/@ROOT_PARTUUID@/$sig-02/" "$SCRIPT_DIR/firmware-overlay/cmdline.txt" >"$BOOTP/cmdline.txt"
+	# Every pi5 build (also the fast tests' fake roots) fills in and checks
+	# the boot files here; the whole partition is checked again on the
+	# finished image (tools/check-pi5-boot).
+	[ "$TARGET" != pi5 ] || pi5_boot_files
+	local console=serial0
+	[ "$TARGET-$PI5_KERNEL" != pi5-debian ] || console=ttyAMA10
+	sed -E -e "s/^#hat=$HAT: //" -e "s/^#kernel=$PI5_KERNEL: //" "$SCRIPT_DIR/firmware-overlay/config.txt" >"$BOOTP/config.txt"
+	sed -e "s/@ROOT_PARTUUID@/$sig-02/" -e "s/@CONSOLE@/$console/" "$SCRIPT_DIR/firmware-overlay/cmdline.txt" >"$BOOTP/cmdline.txt"
 	install -m 644 "$SCRIPT_DIR/firmware-overlay/APPLIANCE-README.txt" "$BOOTP/APPLIANCE-README.txt"
 	install -m 644 "$SCRIPT_DIR/firmware-overlay/appliance-wifi.txt.example" "$BOOTP/appliance-wifi.txt.example"
 	[ -z "$WIFI_FILE" ] || install -m 600 "$WIFI_FILE" "$BOOTP/appliance-wifi.txt"
 }
 
-# The Pi 5 boots kernel_2712.img + initramfs_2712 + bcm2712*.dtb + overlays/
-# from the FAT partition. raspi-firmware's kernel hooks normally copy them;
-# fill in anything missing from the installed kernel package, then check.
+# The Pi 5 boots kernel_2712.img + initramfs_2712 + bcm2712*.dtb (+ overlays/
+# with the Raspberry Pi kernel) from the FAT partition. The kernel hooks
+# (raspi-firmware's, or ours for --pi5-kernel debian) normally put them in
+# /boot/firmware of the root; fill in what is missing, then check that every
+# file the firmware reads is there.
+pi5_newest_kernel() {
+	local pat=$1
+	find "$ROOT/lib/modules/" -mindepth 1 -maxdepth 1 -name "$pat" -printf '%f\n' 2>/dev/null | sort -V | tail -n1
+}
+
 pi5_boot_files() {
-	local kver kdir
-	kver=$(find "$ROOT/lib/modules" -mindepth 1 -maxdepth 1 -name '*2712*' -printf '%f\n' | sort -V | tail -n1)
-	[ -n "$kver" ] || die "no 2712 kernel installed in the root"
-	kdir=$(ls -d "$ROOT/usr/lib/linux-image-$kver" 2>/dev/null || true)
-	[ -e "$BOOTP/kernel_2712.img" ] || cp "$ROOT/boot/vmlinuz-$kver" "$BOOTP/kernel_2712.img"
-	[ -e "$BOOTP/initramfs_2712" ] || cp "$ROOT/boot/initrd.img-$kver" "$BOOTP/initramfs_2712"
-	if [ -n "$kdir" ]; then
-		local d
-		for d in bcm2712-rpi-5-b.dtb bcm2712d0-rpi-5-b.dtb; do
-			[ -e "$BOOTP/$d" ] || cp "$(find "$kdir" -name "$d" | head -n1)" "$BOOTP/$d" 2>/dev/null || true
-		done
-		[ -d "$BOOTP/overlays" ] || { [ -d "$kdir/overlays" ] && cp -r "$kdir/overlays" "$BOOTP/"; } || true
+	local kver kdir f need=()
+	if [ "$PI5_KERNEL" = debian ]; then
+		kver=$(pi5_newest_kernel '*-arm64')
+		[ -n "$kver" ] || die "no Debian arm64 kernel (/lib/modules/*-arm64) installed in the root"
+		pi5_debian_boot "$kver"
+		need=(kernel_2712.img initramfs_2712 bcm2712-rpi-5-b.dtb bcm2712-d-rpi-5-b.dtb)
+	else
+		kver=$(pi5_newest_kernel '*2712*')
+		[ -n "$kver" ] || die "no 2712 kernel installed in the root"
+		kdir=$(ls -d "$ROOT/usr/lib/linux-image-$kver" 2>/dev/null || true)
+		[ -e "$BOOTP/kernel_2712.img" ] || cp "$ROOT/boot/vmlinuz-$kver" "$BOOTP/kernel_2712.img"
+		[ -e "$BOOTP/initramfs_2712" ] || cp "$ROOT/boot/initrd.img-$kver" "$BOOTP/initramfs_2712"
+		if [ -n "$kdir" ]; then
+			local d
+			for d in bcm2712-rpi-5-b.dtb bcm2712d0-rpi-5-b.dtb; do
+				[ -e "$BOOTP/$d" ] || cp "$(find "$kdir" -name "$d" | head -n1)" "$BOOTP/$d" 2>/dev/null || true
+			done
+			[ -d "$BOOTP/overlays" ] || { [ -d "$kdir/overlays" ] && cp -r "$kdir/overlays" "$BOOTP/"; } || true
+		fi
+		# A D0-stepping board loads bcm2712-rpi-5-b.dtb and applies
+		# overlays/bcm2712d0.dtbo, found through overlays/overlay_map.dtb.
+		need=(kernel_2712.img initramfs_2712 bcm2712-rpi-5-b.dtb overlays/bcm2712d0.dtbo overlays/overlay_map.dtb)
 	fi
-	local f
-	for f in kernel_2712.img initramfs_2712 bcm2712-rpi-5-b.dtb bcm2712d0-rpi-5-b.dtb overlays; do
-		[ -e "$BOOTP/$f" ] || die "boot partition lacks $f (raspi-firmware / linux-image-rpi-2712 layout changed?)"
+	for f in "${need[@]}"; do
+		[ -e "$BOOTP/$f" ] || die "boot partition lacks $f (--pi5-kernel $PI5_KERNEL: kernel package layout changed?)"
 	done
+}
+
+# --pi5-kernel debian: install our kernel hooks (again: the cached base root
+# may hold older copies) and run them, so the boot partition has the current
+# hooks' output. The initramfs is rebuilt when initramfs-tools is there (the
+# real root); the fast tests' fake roots bring their own initrd.
+pi5_debian_boot() {
+	local kver=$1
+	local same_initramfs=0
+	cmp -s "$PI5_DEBIAN_DIR/initramfs-hook" "$ROOT/etc/initramfs-tools/hooks/appliance-pi5" && same_initramfs=1
+	install -D -m 755 "$PI5_DEBIAN_DIR/kernel-hook" "$ROOT/etc/kernel/postinst.d/zz-appliance-pi5-boot"
+	install -D -m 755 "$PI5_DEBIAN_DIR/kernel-hook" "$ROOT/etc/initramfs/post-update.d/zz-appliance-pi5-boot"
+	install -D -m 755 "$PI5_DEBIAN_DIR/initramfs-hook" "$ROOT/etc/initramfs-tools/hooks/appliance-pi5"
+	install -D -m 644 "$PI5_DEBIAN_DIR/apt-preferences" "$ROOT/etc/apt/preferences.d/appliance-kernel-backports"
+	sed "s/@SUITE@/$SUITE/g" -i "$ROOT/etc/apt/preferences.d/appliance-kernel-backports"
+	mkdir -p "$ROOT/boot/firmware"
+	in_root /etc/kernel/postinst.d/zz-appliance-pi5-boot "$kver" >&2 || die "the pi5 kernel hook failed for $kver"
+	# The cached base root's initramfs was made with the same hook: reuse it
+	# (a rebuild under emulation takes minutes).
+	if [ -x "$ROOT/usr/sbin/update-initramfs" ] && { [ $same_initramfs = 0 ] || [ ! -e "$ROOT/boot/initrd.img-$kver" ]; }; then
+		log "rebuilding the initramfs for $kver (SD/RP1 modules)"
+		in_root update-initramfs -u -k "$kver" >&2 || die "update-initramfs failed for $kver"
+	else
+		in_root /etc/initramfs/post-update.d/zz-appliance-pi5-boot "$kver" "/boot/initrd.img-$kver" >&2 ||
+			die "the pi5 initramfs hook failed for $kver"
+	fi
+	cp -a "$ROOT/boot/firmware/." "$BOOTP/"
+	find "$ROOT/boot/firmware" -mindepth 1 -delete
 }
 
 finalize_root() {
@@ -810,6 +997,13 @@ main() {
 	run_genimage "$WORK_DIR/genimage.cfg"
 
 	local img="$OUT_DIR/$NAME.img"
+	if [ "$TARGET" = pi5 ]; then
+		# What the Pi 5 firmware and kernel will read, checked on the finished
+		# image (no Pi 5 can be emulated): see tools/check-pi5-boot.
+		log "checking the Pi 5 boot partition"
+		python3 "$SCRIPT_DIR/tools/check-pi5-boot" "$img" >&2 ||
+			die "the Pi 5 boot check failed (lines above): do not flash $img"
+	fi
 	if command -v bmaptool >/dev/null; then
 		bmaptool create -o "$img.bmap" "$img" && log "wrote $img.bmap"
 	else

@@ -7,7 +7,13 @@ network is restricted to the host):
   * `appliance doctor` runs and prints its table;
   * first boot did its job: machine-id generated, SSH host keys generated,
     data partition grown to the (enlarged) disk, /etc/appliance mounted;
-  * no account has a usable password unless one was given at build time.
+  * no account has a usable password unless one was given at build time;
+  * the owner edits the config with sudoedit and reloads the service with no
+    password (the sudo rule for key-only images), first-boot provisioning
+    left its once-only marker, and the nftables firewall is active.
+
+`--check-tools` only checks that qemu-system-aarch64, qemu-img, ssh and
+sfdisk are installed (make test-image runs it before the build).
 
 Then powers the guest off (ACPI power button through QMP).
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -90,10 +97,26 @@ def sandbox_properties(guest: "Guest") -> list[str]:
     return props
 
 
+# Run as the admin over SSH. The last two lines: the service state after the
+# reload, and what sudo says to a command outside the rule.
+OWNER_SCRIPT = r"""
+exec 2>&1
+printf '#!/bin/sh\necho "# edited by the owner" >>"$1"\n' >~/owner-edit && chmod +x ~/owner-edit
+SUDO_EDITOR=$HOME/owner-edit sudoedit -n /etc/appliance/config.yaml; echo "edit=$? $(tail -n1 /etc/appliance/config.yaml)"
+sudo -n systemctl reload appliance; echo "reload=$?"
+sleep 5
+echo "state=$(systemctl show -p ActiveState --value appliance.service)"
+echo "other=$(sudo -n cat /etc/shadow 2>&1 | head -n1)"
+echo "marker=$(cat /var/lib/appliance-firstboot/provisioned 2>&1)"
+echo "nft=$(systemctl is-active nftables)"
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("image", type=Path)
-    ap.add_argument("--key", type=Path, required=True, help="SSH private key whose .pub was given to --ssh-key")
+    ap.add_argument("image", type=Path, nargs="?")
+    ap.add_argument("--check-tools", action="store_true", help="only check the tools this test needs")
+    ap.add_argument("--key", type=Path, help="SSH private key whose .pub was given to --ssh-key")
     ap.add_argument("--user", default="admin")
     ap.add_argument("--kernel", type=Path)
     ap.add_argument("--initrd", type=Path)
@@ -106,6 +129,17 @@ def main() -> int:
                     help="the admin password given to build-image.sh --password (default: $APPLIANCE_PASSWORD); "
                          "enables the in-sandbox doctor check")
     args = ap.parse_args()
+    tools = {"qemu-system-aarch64": "qemu-system-arm", "qemu-img": "qemu-utils", "ssh": "openssh-client",
+             "sfdisk": "fdisk"}
+    missing = [f"{t} ({p})" for t, p in tools.items() if not shutil.which(t)]
+    if missing:
+        print(f"image_qemu_boot.py: missing tools: {', '.join(missing)} — apt-get install "
+              f"{' '.join(sorted({tools[m.split()[0]] for m in missing}))}", file=sys.stderr)
+        return 2
+    if args.check_tools:
+        return 0
+    if args.image is None or args.key is None:
+        ap.error("the image to boot and --key are required")
 
     img = args.image.resolve()
     stem = str(img).removesuffix(".img")
@@ -114,10 +148,6 @@ def main() -> int:
     for p in (img, kernel, initrd, args.key):
         if not p.exists():
             print(f"missing: {p}", file=sys.stderr)
-            return 2
-    for tool in ("qemu-system-aarch64", "qemu-img", "ssh", "sfdisk"):
-        if not shutil.which(tool):
-            print(f"missing tool: {tool}", file=sys.stderr)
             return 2
 
     sig = disk_signature(img)
@@ -209,6 +239,23 @@ def main() -> int:
             audio_ok = any(line.startswith("audio input") and "PASS" in line for line in out.splitlines())
             check("doctor inside the service sandbox reaches the sound card", audio_ok and "exit=" in out,
                   next((ln for ln in out.splitlines() if ln.startswith("audio input")), "no audio line"))
+
+        # The owner of the image edits the config and applies it without a
+        # password (sudo -n fails rather than prompt): the appliance-owner rule.
+        before = guest.ssh("systemctl show -p ActiveState --value appliance.service").stdout.strip()
+        r = guest.ssh("bash -s", stdin=OWNER_SCRIPT)
+        out = r.stdout + r.stderr
+        print(out, flush=True)
+        kv = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and line.split("=", 1)[0].isalpha())
+        check("owner edits the config with sudoedit, no password",
+              kv.get("edit", "").startswith("0 # edited by the owner"), kv.get("edit", "no edit line"))
+        check("owner reloads the service, no password; it keeps running",
+              kv.get("reload") == "0" and kv.get("state") == before, f"reload={kv.get('reload')}, {before} -> {kv.get('state')}")
+        check("other root commands still need the password", "password is required" in kv.get("other", ""),
+              kv.get("other", ""))
+        check("first-boot provisioning marker left", bool(re.match(r"\d{4}-\d\d-\d\dT", kv.get("marker", ""))),
+              kv.get("marker", ""))
+        check("firewall (nftables) active", kv.get("nft") == "active", kv.get("nft", ""))
 
         r = guest.ssh("cat /etc/machine-id")
         check("machine-id generated on first boot", len(r.stdout.strip()) == 32 and r.stdout.strip() != "uninitialized",
