@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from .config import DEFAULT_CONFIG_PATH, Config, load
-from .errors import UserError
+from .errors import UserError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class Service:
         self.status = "starting"
         self.ready_posted = False
         self.reloads: list[dict] = []
+        self.reload_problem: Optional[str] = None  # why the last reload was refused (shown in STATUS=)
         self._model_thread: Optional[threading.Thread] = None
 
     def _post(self, name: str, **info) -> None:
@@ -202,11 +203,14 @@ class Service:
         try:
             new = load(path)
             prepared = self._prepare(new)
-        except UserError as exc:
-            log.error("config reload rejected, keeping the running config: %s", exc)
+        except Exception as exc:  # whatever is wrong with the file, the running service keeps its config
+            reason = str(exc) if isinstance(exc, UserError) else one_line(f"{path}: {exc.__class__.__name__}: {exc}")
+            log.error("config reload rejected, keeping the running config: %s", reason)
             self.indicators.flash("config_error", CONFIG_ERROR_FLASH_S)
-            self.reloads.append({"applied": False, "reason": str(exc)})
+            self.reloads.append({"applied": False, "reason": reason})
+            self.reload_problem = f"config reload rejected, running on the previous config: {reason}"
             return False
+        self.reload_problem = None
         changed = self._apply(new, prepared)
         log.warning("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
         self.reloads.append({"applied": True, "changed": changed})
@@ -372,7 +376,7 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
                 else:
                     svc.reload(config_path)
                 notifier.notify("READY=1")
-            notifier.status(svc.status)
+            notifier.status(f"{svc.status}; {svc.reload_problem}" if svc.reload_problem else svc.status)
             if interval is not None and time.monotonic() >= next_ping:
                 alive = svc.threads_alive()
                 if all(alive.values()):
@@ -417,6 +421,9 @@ def _load_parts_or_wait(cfg: Config, config_path, indicators, notifier, stop: th
             return parts, cfg
         except UserError as exc:
             reason = str(exc)
+        except Exception as exc:  # llama.cpp or the voice failing in a way we did not foresee: wait, do not crash
+            log.debug("model load failed", exc_info=True)
+            reason = one_line(f"{cfg.model.gguf}: cannot load ({exc.__class__.__name__}: {exc})")
         indicators.show("error")
         log.error("no model: %s (waiting; `systemctl reload appliance` after fixing it)", reason)
         if not announced:
@@ -436,8 +443,9 @@ def _load_parts_or_wait(cfg: Config, config_path, indicators, notifier, stop: th
                         if not new.model.mmproj:
                             raise text_only_refusal(Path(new.model.gguf))
                         cfg = new
-                    except UserError as exc:
-                        log.error("config reload rejected: %s", exc)
+                    except Exception as exc:
+                        log.error("config reload rejected: %s", exc if isinstance(exc, UserError) else one_line(
+                            f"{config_path}: {exc.__class__.__name__}: {exc}"))
                         continue
                 break
             if _model_files_stamp(cfg) != last_seen:
