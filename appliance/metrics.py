@@ -240,7 +240,11 @@ def read_turns(source: str | Path) -> list[dict]:
             report = json.loads(text)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON (line {exc.lineno}); give a report.json or a metrics file") from None
-        return _from_records(report.get("turns", [])) if isinstance(report, dict) else []
+        turns = report.get("turns", []) if isinstance(report, dict) else []
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise UserError(f"{path}: `turns` is not a list of turn objects; give a report.json that "
+                            "`appliance replay` wrote, or a metrics file")
+        return _from_records(turns)
     records, lines = [], []
     for n, line in enumerate(text.splitlines(), 1):
         s = line.strip()

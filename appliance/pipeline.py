@@ -56,7 +56,7 @@ def embedded_config(cfg: Optional[Config] = None) -> Config:
     cfg = (cfg or Config()).model_copy(deep=True)
     cfg.model.gguf = str(embedded_model_path())
     cfg.model.mmproj = None
-    cfg.model.n_ctx = 2048
+    cfg.model.n_ctx = 2560  # the sizing rule (config.context_needed): 1.5 x 1024 + 80 + 766 = 2382
     cfg.model.n_threads = 2
     cfg.model.history_budget_tokens = 1024
     cfg.model.max_reply_tokens = 80

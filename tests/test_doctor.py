@@ -167,6 +167,16 @@ def test_gguf_files_are_parsed_and_sized(tmp_path):
     assert proj.status == FAIL and proj.detail == f"{tmp_path}: is a directory"
 
 
+def test_the_projector_given_as_the_model_fails_the_model_row(tmp_path):
+    proj = TINY / "tiny-gemma4-mmproj.gguf"
+    d = doctor_for(tmp_path, f"model:\n  gguf: {proj}\n  mmproj: {proj}\n")
+    model, _ = d.check_model()
+    assert model.status == FAIL, model
+    assert model.detail.startswith(f"{proj.name}: GGUF v3, clip, ") and model.detail.endswith(
+        ": an audio projector, not the language model"), model.detail
+    assert "model.mmproj" in model.fix
+
+
 def test_a_text_only_config_fails_the_projector(tmp_path):
     d = doctor_for(tmp_path, f"model:\n  gguf: {TINY}/tiny-gemma4.gguf\n  mmproj: null\n")
     _, proj = d.check_model()
