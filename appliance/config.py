@@ -337,7 +337,8 @@ def parse(text: str, path: Path) -> Config:
         line, what = yaml_problem(exc)
         raise ConfigError(path, [ConfigProblem(line, "(yaml)", f"invalid YAML: {what}")]) from None
     except (RecursionError, MemoryError, ValueError, TypeError) as exc:  # never a traceback, whatever the text
-        raise ConfigError(path, [ConfigProblem(None, "(yaml)", f"cannot parse it ({exc.__class__.__name__})")]) from None
+        raise ConfigError(path, [ConfigProblem(None, "(yaml)", one_line(
+            f"cannot parse it ({exc.__class__.__name__}: {exc})", 160))]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

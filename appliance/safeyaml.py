@@ -139,4 +139,4 @@ def load_file(path: Path, what: str, fix_missing: str, fix_syntax: str) -> tuple
         where = f" at line {line}" if line else ""
         raise UserError(f"{path}: invalid YAML{where}: {problem}; {fix_syntax}") from None
     except (RecursionError, MemoryError, ValueError, TypeError) as exc:  # belt and braces: never a traceback
-        raise UserError(f"{path}: cannot parse the {what} ({exc.__class__.__name__}); {fix_syntax}") from None
+        raise UserError(f"{path}: cannot parse the {what} ({exc.__class__.__name__}: {str(exc)[:120]}); {fix_syntax}") from None
