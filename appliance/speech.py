@@ -173,9 +173,10 @@ class Tts:
         return speakable(text)
 
     def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Yield float32 mono audio at :attr:`sample_rate`, one chunk per sentence of ``text``; a sentence
-        longer than :data:`MAX_CLAUSE_CHARS` characters is spoken in pieces cut at word boundaries, so
-        Piper's memory stays bounded whatever the text."""
-        for piece in cap_clauses(text):
+        """Yield float32 mono audio at :attr:`sample_rate`, one chunk per sentence of ``text``, after
+        :meth:`clean` (what the voice cannot say is dropped first: letters of another script are spelled
+        out by espeak, many phonemes each); a sentence longer than :data:`MAX_CLAUSE_CHARS` characters is
+        spoken in pieces cut at word boundaries, so Piper's memory stays bounded whatever the text."""
+        for piece in cap_clauses(self.clean(text)):
             for chunk in self.voice.synthesize(piece, syn_config=self._syn):
                 yield np.asarray(chunk.audio_float_array, dtype=np.float32).reshape(-1)
