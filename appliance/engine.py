@@ -314,7 +314,7 @@ class Engine:
         self._reply_start: Optional[int] = None
         self._pending_user: Optional[Message] = None
         self._rebuild: Optional[_Rebuild] = None
-        self.rebuilds: list[dict] = []  # finished rebuilds: reason, tokens, ms (for metrics and tests)
+        self.rebuilds: list[dict] = []  # the last 100 finished rebuilds: reason, tokens, ms (metrics, tests)
         self.total_prefill_tokens = 0
         self.last = TurnResult()
         self.store = store
@@ -548,6 +548,7 @@ class Engine:
         self._rebuild = None
         ms = (time.perf_counter() - rb.started) * 1000.0
         self.rebuilds.append({"reason": rb.reason, "messages": len(rb.kept), "tokens": rb.tokens, "n_past": rb.n, "ms": round(ms, 1)})
+        del self.rebuilds[:-100]
         log.info("cache rebuilt (%s): %d messages, %d tokens, %.0f ms in the background", rb.reason, len(rb.kept), rb.tokens, ms)
 
     def _decode(self, seq: int, tokens: list[int], pos: int, track: Optional[_Rebuild] = None) -> None:
@@ -700,6 +701,7 @@ class Engine:
         ms = (time.perf_counter() - t0) * 1000.0
         self.rebuilds.append({"reason": "prune-now", "messages": len(kept), "tokens": tokens, "n_past": self.n_past,
                               "ms": round(ms, 1)})
+        del self.rebuilds[:-100]
         log.warning("context full: history pruned to %d messages and re-evaluated at once (%d tokens, %.0f ms)",
                     len(kept), tokens, ms)
 
@@ -818,6 +820,7 @@ class EngineWorker:
                 self.post("engine_error", reason=f"{exc.__class__.__name__}: {exc}")
 
     def _turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
+        self._cancelled = {r for r in self._cancelled if r > reply_id - 100}  # replies are numbered in order
         if reply_id in self._cancelled:
             return
         splitter = self.split()

@@ -124,6 +124,7 @@ class Service:
         self.session = Session(cfg, parts, out_rate=PLAYBACK_RATE, echo=_make_echo(cfg))
         conv = self.session.conversation
         conv.keep_muted = self.mute.value
+        conv.keep_turns = 100  # the service runs for months: no list of every turn
         if self.mute.value:
             self.session.listener.muted = True  # before any audio flows
         conv.subscribe(lambda r: self.indicators.observe(r))
@@ -132,7 +133,7 @@ class Service:
             conv.subscribe(timeline)
         from .metrics import METRICS_FILE, TurnMetrics
 
-        conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE))  # one journal line per turn
+        conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE, keep=0))  # one journal line per turn
         self.audio = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, PLAYBACK_RATE,
                                  self.session.playback.read, self.session.listener.capture, self._on_audio,
                                  backoff=(0.5, cfg.audio.retry_max_s))
@@ -360,7 +361,7 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
     # The full event timeline goes to the debug log (`appliance -v run`); the journal gets one metrics
     # line per turn.
     svc = Service(cfg, parts, pin_factory=pin_factory, indicators=early,
-                  timeline=Timeline(echo=lambda line: log.debug("%s", line)))
+                  timeline=Timeline(echo=lambda line: log.debug("%s", line), keep=False))
     post_box.append(svc._post)
     svc.start()
     notifier.notify("READY=1", f"STATUS={svc.status}")

@@ -184,7 +184,7 @@ def run(cfg: Config, n_turns: int, json_out: Optional[Path] = None,
         for r in engine.rebuilds:
             kinds[r["reason"]] = kinds.get(r["reason"], 0) + 1
         print_line(f"{label}{json.dumps(result)}")
-        print_line(f"{label}rebuilds: {kinds or 'none'}; given up: {engine.dropped_rebuilds}; "
+        print_line(f"{label}rebuilds (the last 100): {kinds or 'none'}; given up: {engine.dropped_rebuilds}; "
                    f"audio synthesised: {samples[0] / tts.sample_rate:.0f} s; {time.perf_counter() - t_start:.0f} s")
         engine.store.close()
     if json_out is not None:
