@@ -23,8 +23,15 @@ _EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF]")
 _NON_LATIN = re.compile("[^\u0000-\u024F\u1E00-\u1EFF\u2000-\u206F]")
 
 
+# Control characters other than white space (a model may generate NUL: espeak then raises "embedded null
+# character").
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
 def speakable(text: str) -> str:
-    """Strip what a speaker cannot say: markdown marks, links, emoji; collapse white space."""
+    """Strip what a speaker cannot say: control characters, markdown marks, links, emoji; collapse white
+    space."""
+    text = _CONTROL.sub(" ", text)
     text = _MARKUP.sub(" ", text)
     text = _EMOJI.sub(" ", text)
     return re.sub(r"\s+", " ", text).strip()

@@ -102,6 +102,7 @@ def run(cfg: Config, n_turns: int, json_out: Optional[Path] = None,
         clauses: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         spoken: dict[int, threading.Event] = {}
         samples = [0]
+        tts_errors: list[str] = []
 
         def post(name: str, **info) -> None:
             events.put((name, info))
@@ -117,8 +118,11 @@ def run(cfg: Config, n_turns: int, json_out: Optional[Path] = None,
                 if text is None:
                     spoken[reply_id].set()
                     continue
-                for chunk in tts.synthesize(text):
-                    samples[0] += len(chunk)
+                try:
+                    for chunk in tts.synthesize(text):
+                        samples[0] += len(chunk)
+                except Exception as exc:  # as the service's TTS worker: the clause is dropped, the rest goes on
+                    tts_errors.append(f"{exc.__class__.__name__}: {exc}")
 
         tts_thread = threading.Thread(target=speak, name="soak-tts", daemon=True)
         tts_thread.start()
@@ -185,7 +189,8 @@ def run(cfg: Config, n_turns: int, json_out: Optional[Path] = None,
             kinds[r["reason"]] = kinds.get(r["reason"], 0) + 1
         print_line(f"{label}{json.dumps(result)}")
         print_line(f"{label}rebuilds (the last 100): {kinds or 'none'}; given up: {engine.dropped_rebuilds}; "
-                   f"audio synthesised: {samples[0] / tts.sample_rate:.0f} s; {time.perf_counter() - t_start:.0f} s")
+                   f"audio synthesised: {samples[0] / tts.sample_rate:.0f} s; TTS errors: {len(tts_errors)} "
+                   f"{tts_errors[:3] if tts_errors else ''}; {time.perf_counter() - t_start:.0f} s")
         engine.store.close()
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
