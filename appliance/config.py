@@ -222,7 +222,7 @@ class ConfigError(UserError):
         self.problems = problems
         shown, size = [], 0
         for p in problems:  # as many as fit one readable line; the fix must not be cut off
-            text = one_line(str(p), 200)
+            text = one_line(str(p), 320)
             if shown and size + len(text) > 360:
                 break
             shown.append(text)
