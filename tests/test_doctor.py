@@ -85,7 +85,7 @@ def test_embedded_checks_the_embedded_parts(tmp_path):
     got = rows(r.stdout)
     assert got["model"]["status"] == PASS and "gemma3" in got["model"]["detail"]
     assert got["projector"]["status"] == SKIP
-    assert got["ram"]["status"] == PASS and "KV cache 10 MiB at n_ctx 2048 q4_0" in got["ram"]["detail"]
+    assert got["ram"]["status"] == PASS and "KV cache 13 MiB at n_ctx 2560 q4_0" in got["ram"]["detail"]
     assert got["gpio"]["status"] == SKIP
     assert got["piper voice"]["status"] == PASS
     assert [k for k, v in got.items() if v["status"] == FAIL] == ["audio input", "audio output"]
