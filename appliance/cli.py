@@ -81,6 +81,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, output silent after {b['output_silent_ms']} ms")
     if report["timed_out"]:
         print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
+    if not report["turns"]:
+        raise UserError(f"{args.input}: no speech was heard in it, so the appliance never answered (the timeline "
+                        f"is in {out / 'timeline.jsonl'}); give a recording of someone speaking, louder if need be")
     return 0
 
 
@@ -149,7 +152,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     default = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml")
     path = Path(args.file or args.config or default)
-    load(path)
+    from .config import check
+
+    check(path)  # the schema, then the sizes and the model files' headers
     print(f"{path}: valid")
     return 0
 
@@ -236,6 +241,19 @@ def cmd_bench_wake(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from .bench import soak
+
+    if args.turns < 1:
+        raise UserError(f"--turns {args.turns}: give at least 1 turn")
+    if args.fixture and args.embedded:
+        raise UserError("--fixture and --embedded: give one of them (the tiny Gemma 4 or the embedded model)")
+    cfg = soak.fixture_config() if args.fixture else _config(args)
+    json_out = _json_out(args)
+    soak.run(cfg, args.turns, json_out, print_line=lambda s: print(s, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description="Offline voice appliance: hear, think, speak, stop when interrupted.")
     p.add_argument("--version", action="version", version=f"appliance {__version__}")
@@ -285,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2; 1 on a busy machine)")
     common(sp)
     sp.set_defaults(func=cmd_bench_engine)
+    sp = bench.add_parser("soak", help="N turns back to back: replies lost, decode failures, history, RSS growth")
+    sp.add_argument("--json", help="write the results to this JSON file")
+    sp.add_argument("--turns", type=int, default=500, help="turns to run (default 500)")
+    sp.add_argument("--fixture", action="store_true",
+                    help="the tiny Gemma 4 test fixture (audio turns) instead of the configured model")
+    common(sp)
+    sp.set_defaults(func=cmd_bench_soak)
     sp = bench.add_parser("interruption", help="barge-in latency, echo self-interrupts, backchannels, ERLE (real time, minutes)")
     sp.add_argument("--json", help="write the summary to this JSON file")
     sp.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),

@@ -10,6 +10,7 @@ what was found; unknown keys get a "did you mean" suggestion. The schema library
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
@@ -18,7 +19,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import UserError, yaml_problem
+from . import safeyaml
+from .errors import UserError, one_line, yaml_problem
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/config.yaml")
 
@@ -263,8 +265,15 @@ class ConfigError(UserError):
     def __init__(self, path: Path, problems: list[ConfigProblem]):
         self.path = path
         self.problems = problems
-        joined = "; ".join(str(p) for p in problems)
-        super().__init__(f"{path}: {joined} (fix it, then run `appliance check-config {path}`)")
+        shown, size = [], 0
+        for p in problems:  # as many as fit one readable line; the fix must not be cut off
+            text = one_line(str(p), 320)
+            if shown and size + len(text) > 360:
+                break
+            shown.append(text)
+            size += len(text) + 2
+        more = f"; and {len(problems) - len(shown)} more" if len(shown) < len(problems) else ""
+        super().__init__(f"{path}: {'; '.join(shown)}{more} (fix it, then run `appliance check-config {path}`)")
 
 
 def _line_index(node: yaml.Node, prefix: tuple = (), lines: Optional[dict] = None,
@@ -368,11 +377,13 @@ def parse(text: str, path: Path) -> Config:
     :raises ConfigError: listing every problem (line, key path, expected, found), sorted by line.
     """
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        node, data = safeyaml.compose(text)
     except yaml.YAMLError as exc:
         line, what = yaml_problem(exc)
         raise ConfigError(path, [ConfigProblem(line, "(yaml)", f"invalid YAML: {what}")]) from None
+    except (RecursionError, MemoryError, ValueError, TypeError) as exc:  # never a traceback, whatever the text
+        raise ConfigError(path, [ConfigProblem(None, "(yaml)", one_line(
+            f"cannot parse it ({exc.__class__.__name__}: {exc})", 160))]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -388,15 +399,134 @@ def parse(text: str, path: Path) -> Config:
 
 
 def load(path: str | Path) -> Config:
-    """Read and validate a config file. Raises :class:`UserError` for a missing/unreadable file."""
+    """Read and validate a config file (at most 256 kB of UTF-8 YAML, no anchors or aliases, nesting at
+    most 32 deep: see :mod:`appliance.safeyaml`).
+
+    :raises UserError: one line naming the file and the fix, for any problem with it (missing, not a
+        regular file, too large, not UTF-8, invalid YAML, invalid values: :class:`ConfigError`).
+    """
     path = Path(path)
+    text = safeyaml.read_text(path, "config file", "check the path (the commented default is config.yaml in the "
+                              "source tree)")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: config file not found; check the path (the commented default is config.yaml in "
-                        "the source tree)") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read config ({exc.__class__.__name__}); check the path and its permissions") from None
-    return parse(text, path)
+        return parse(text, path)
+    except UserError:
+        raise
+    except Exception as exc:  # whatever the file holds, one line and exit 2, never a traceback
+        raise UserError(f"{path}: cannot load the config ({exc.__class__.__name__}); fix it, then run "
+                        f"`appliance check-config {path}`") from None
+
+
+# --- cross-field checks (``appliance check-config``) ------------------------------------------------------
+
+AUDIO_TOKENS_PER_S = 25  # Gemma 4's audio encoder: one embedding per 40 ms of 16 kHz audio (mtmd)
+TURN_MARKUP_TOKENS = 16  # the turn markup around a user's audio (what the engine reserves per turn)
+LONGEST_TURN_S = 30  # the engine hears at most 30 s of one turn (vad.max_utterance_s is at most 30)
+#: tokens of the longest user turn: 30 s × 25 audio tokens/s + 16 of markup = 766
+TURN_TOKENS = LONGEST_TURN_S * AUDIO_TOKENS_PER_S + TURN_MARKUP_TOKENS
+CHARS_PER_TOKEN_ESTIMATE = 3  # without the model's tokenizer: English is ~4 characters a token; 3 is cautious
+
+
+def context_needed(m: ModelConfig) -> int:
+    """The smallest ``n_ctx`` the engine needs, tokens: the live history up to its budget and the half-size
+    history being rebuilt beside it share one cache (1.5 × ``history_budget_tokens``), plus the longest
+    reply (``max_reply_tokens``) and the longest turn (:data:`TURN_TOKENS`)."""
+    return math.ceil(1.5 * m.history_budget_tokens) + m.max_reply_tokens + TURN_TOKENS
+
+
+def _gguf_architecture(path: Path) -> Optional[str]:
+    """``general.architecture`` of a GGUF header, or None if the file is absent or unreadable (the path
+    checks belong to ``appliance doctor``: an image may be built without its models)."""
+    from .doctor import read_gguf
+
+    try:
+        if not path.is_file():
+            return None
+        return str(read_gguf(path).meta.get("general.architecture") or "")
+    except Exception:
+        return None
+
+
+def system_prompt_tokens(cfg: Config) -> tuple[int, str]:
+    """Tokens of the system prompt the config asks for (:func:`appliance.assistant.system_prompt`) and its
+    turn markup, and how they were counted: with the model's own tokenizer when ``model.gguf`` loads
+    (vocabulary only, a fraction of a second), else estimated at :data:`CHARS_PER_TOKEN_ESTIMATE`
+    characters a token."""
+    from .assistant import system_prompt
+
+    m, prompt = cfg.model, system_prompt(cfg)
+    markup = 8
+    path = Path(m.gguf)
+    if path.is_file() and _gguf_architecture(path) not in (None, "", "clip"):
+        try:
+            from .engine import quiet_llama_logs
+
+            import llama_cpp
+
+            with quiet_llama_logs():
+                vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+            try:
+                n = len(vocab.tokenize(prompt.encode(), add_bos=True, special=False))
+            finally:
+                vocab.close()
+            return n + markup, "counted with the model's tokenizer"
+        except Exception:
+            pass
+    return math.ceil(len(prompt) / CHARS_PER_TOKEN_ESTIMATE) + markup, \
+        f"estimated at {CHARS_PER_TOKEN_ESTIMATE} characters a token (model.gguf not readable)"
+
+
+def cross_problems(cfg: Config, lines: Optional[dict[tuple, int]] = None) -> list[ConfigProblem]:
+    """The checks that span several keys or look into the model files' headers:
+
+    - ``model.n_ctx`` ≥ :func:`context_needed` (1.5 × history budget + max reply + one 30 s turn);
+    - the system prompt fits in half the history budget (what a pruned history keeps), so also in the
+      context;
+    - ``model.gguf`` is not an audio projector (GGUF architecture ``clip``), ``model.mmproj`` is one.
+
+    :returns: the problems, with line numbers from ``lines`` (as :func:`parse` indexes them) when given.
+    """
+    lines = lines or {}
+    m = cfg.model
+    where = lambda *keys: lines.get(("model",) + keys) or lines.get(("model",))  # noqa: E731
+    out: list[ConfigProblem] = []
+    need = context_needed(m)
+    if m.n_ctx < need:
+        out.append(ConfigProblem(where("n_ctx"), "model.n_ctx", (
+            f"{m.n_ctx} tokens cannot hold 1.5 x history_budget_tokens ({math.ceil(1.5 * m.history_budget_tokens)}) "
+            f"+ max_reply_tokens ({m.max_reply_tokens}) + one 30 s turn ({TURN_TOKENS}: 25 audio tokens/s + "
+            f"{TURN_MARKUP_TOKENS} of markup) = {need}; raise n_ctx to {need} or lower history_budget_tokens")))
+    arch = _gguf_architecture(Path(m.gguf))
+    if arch == "clip":
+        out.append(ConfigProblem(where("gguf"), "model.gguf", (
+            f"{m.gguf} is an audio projector (GGUF architecture clip), not the language model; set model.gguf "
+            "to the model and model.mmproj to this file")))
+    if m.mmproj:
+        parch = _gguf_architecture(Path(m.mmproj))
+        if parch not in (None, "clip"):
+            out.append(ConfigProblem(where("mmproj"), "model.mmproj", (
+                f"{m.mmproj} is a {parch or 'non-projector'} model, not an audio projector (architecture clip); "
+                "set model.mmproj to the mmproj GGUF that belongs to model.gguf")))
+    if arch != "clip":
+        n, how = system_prompt_tokens(cfg)
+        if n > m.history_budget_tokens // 2:
+            key = ("model", "system_prompt") if m.system_prompt is not None else ("assistant", "system_prompt")
+            out.append(ConfigProblem(lines.get(key) or lines.get(key[:1]), ".".join(key), (
+                f"{n} tokens ({how}) leave no room in half of history_budget_tokens ({m.history_budget_tokens // 2}), "
+                "what a pruned conversation keeps; shorten the prompt or raise history_budget_tokens (and n_ctx)")))
+    return out
+
+
+def check(path: str | Path) -> Config:
+    """:func:`load`, then :func:`cross_problems` (what ``appliance check-config`` runs).
+
+    :raises UserError: as :func:`load`; :class:`ConfigError` listing the cross-field problems.
+    """
+    path = Path(path)
+    cfg = load(path)
+    node, _ = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
+    lines, _ = _line_index(node) if node is not None else ({}, [])
+    problems = cross_problems(cfg, lines)
+    if problems:
+        raise ConfigError(path, problems)
+    return cfg

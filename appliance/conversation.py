@@ -122,7 +122,8 @@ class Conversation:
         # A stop word that flushed the reply, held until the user has really stopped talking (``vad_settled``)
         # or joined to what they say next: (info, audio, transcript).
         self._held: Optional[tuple] = None
-        self.turns: list[dict] = []
+        self.turns: list[dict] = []  # each turn's metrics (a replay's report reads them)
+        self.keep_turns: Optional[int] = None  # keep only the newest this many (the service: it runs for months)
         self.idle = threading.Event()
         # The mute switch outlives an error (a lost sound card) and a restart: ``ready``/``recovered``
         # return to ``muted`` while it is on. The service sets it from the persisted flag before start.
@@ -532,6 +533,8 @@ class Conversation:
             except Exception:
                 log.exception("turn_stats failed")
         self.turns.append(metrics)
+        if self.keep_turns is not None:
+            del self.turns[: -self.keep_turns]
         self._emit("turn_end", t=t, text=text, **{k: v for k, v in metrics.items() if k != "reply_id"}, reply_id=turn.reply_id)
 
 

@@ -369,6 +369,9 @@ class Doctor:
                          "the copy or download was cut short: copy it again")
         arch = info.meta.get("general.architecture") or "?"
         detail = f"{path.name}: GGUF v{info.version}, {arch}, {info.n_tensors} tensors, {_mib(info.file_bytes)}"
+        if not audio and arch == "clip":
+            return Check(name, FAIL, detail + ": an audio projector, not the language model",
+                         f"set {key} to the model GGUF; this file belongs in model.mmproj")
         if audio and not info.meta.get("clip.has_audio_encoder"):
             return Check(name, FAIL, detail + ", no audio encoder",
                          f"{key} must be the model's audio projector (mmproj with an audio encoder)")

@@ -15,6 +15,7 @@ memory slot").
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import threading
 import time
@@ -51,12 +52,48 @@ def _route_llama_log() -> None:
                 _llama_log_state["level"] = levels.get(level, logging.DEBUG)
             msg = text.decode("utf-8", "replace").rstrip()
             if msg:
+                if _llama_log_state["level"] >= logging.ERROR:
+                    errors = _llama_log_state.setdefault("errors", [])
+                    errors.append(msg)
+                    del errors[:-4]
                 llama_log.log(_llama_log_state["level"], "%s", msg)
         except Exception:
             pass
 
     _llama_log_state["callback"] = callback
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+
+
+@contextlib.contextmanager
+def quiet_llama_logs() -> Iterator[Callable[[], str]]:
+    """While a model file is being loaded, llama.cpp's and mtmd's log lines print nothing (a bad file
+    would otherwise put 2–4 native log lines before our one-line error). Yields ``reason()``: the last
+    error lines llama.cpp logged inside the block, joined into one line ("" if none), for that error."""
+    from . import mtmd_audio  # its import routes mtmd's and clip's log lines to its logger
+
+    if "callback" not in _llama_log_state:
+        _route_llama_log()
+    loggers = [logging.getLogger("llama_cpp"), logging.getLogger(mtmd_audio.__name__)]
+    saved = [lg.disabled for lg in loggers]
+    _llama_log_state["errors"] = []
+    mtmd_audio._log_state["errors"] = []
+    for lg in loggers:
+        lg.disabled = True
+
+    def reason() -> str:
+        return " ".join(" ".join(_llama_log_state["errors"] + mtmd_audio._log_state["errors"]).split())[:200]
+
+    try:
+        yield reason
+    finally:
+        for lg, was in zip(loggers, saved):
+            lg.disabled = was
+
+
+class CacheFull(RuntimeError):
+    """A decode would need more cells of the shared KV cache than are free (counted over both sequences).
+    Raised before llama.cpp is asked, so nothing is half-evaluated; the engine then gives way (drops the
+    background rebuild, or prunes the history at once) and tries again."""
 
 
 class NothingToHear(ValueError):
@@ -124,6 +161,16 @@ class TurnResult:
 _PARAMS_LOCK = threading.Lock()
 ACTIVE, SHADOW = 0, 1  # KV sequences: the live conversation, and the cache being rebuilt behind it
 USER_AUDIO_PLACEHOLDER = "(spoken)"
+
+
+def _gguf_architecture(path: Path) -> Optional[str]:
+    """``general.architecture`` from the GGUF header (None if it cannot be read: llama.cpp then says why)."""
+    from .doctor import read_gguf
+
+    try:
+        return str(read_gguf(path).meta.get("general.architecture") or "")
+    except Exception:
+        return None
 
 
 def _load_llama(path: Path, **kw):
@@ -215,16 +262,24 @@ class Engine:
         if "callback" not in _llama_log_state:
             _route_llama_log()
         path = Path(gguf)
+        if path.exists() and not path.is_file():
+            raise UserError(f"{path}: is not a regular file (a directory, FIFO or device); set model.gguf in the "
+                            "config file to the model's .gguf file")
         if not path.is_file():
             raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF, "
                             "or pass --embedded for the bundled test model (`appliance doctor` checks the model files)")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+        if _gguf_architecture(path) == "clip":
+            raise UserError(f"{path}: is an audio projector (GGUF architecture clip), not the language model; set "
+                            "model.gguf to the model and model.mmproj to this file")
         try:
-            self.llm = _load_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                                   n_batch=n_batch, type_k=kv_types[kv_cache_type], type_v=kv_types[kv_cache_type],
-                                   flash_attn=True, swa_full=True, seed=seed, verbose=False)
-        except (ValueError, RuntimeError) as exc:
-            raise UserError(f"{path}: llama.cpp could not load this GGUF ({exc}); check model.gguf in config.yaml") from None
+            with quiet_llama_logs() as reason:
+                self.llm = _load_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                       n_batch=n_batch, type_k=kv_types[kv_cache_type], type_v=kv_types[kv_cache_type],
+                                       flash_attn=True, swa_full=True, seed=seed, verbose=False)
+        except (ValueError, RuntimeError, OSError) as exc:
+            why = reason() or str(exc)
+            raise UserError(f"{path}: llama.cpp could not load this GGUF ({why}); check model.gguf in config.yaml") from None
         self.model_path = path
         self.kv_cache_type = kv_cache_type
         self.arch = str(self.llm.metadata.get("general.architecture", "")).lower()
@@ -246,7 +301,8 @@ class Engine:
             if not mpath.is_file():
                 raise UserError(f"{mpath}: audio projector (mmproj) not found; set model.mmproj in config.yaml")
             try:
-                self.audio = MtmdAudio(self.llm, str(mpath), n_threads=n_threads)
+                with quiet_llama_logs():
+                    self.audio = MtmdAudio(self.llm, str(mpath), n_threads=n_threads)
             except AudioModelError as exc:
                 raise UserError(f"{mpath}: {exc}; set model.mmproj to the projector that belongs to model.gguf") from None
         self._stop_tokens = {self.llm.token_eos()}
@@ -260,16 +316,22 @@ class Engine:
         self._reply_start: Optional[int] = None
         self._pending_user: Optional[Message] = None
         self._rebuild: Optional[_Rebuild] = None
-        self.rebuilds: list[dict] = []  # finished rebuilds: reason, tokens, ms (for metrics and tests)
+        self.rebuilds: list[dict] = []  # the last 100 finished rebuilds: reason, tokens, ms (metrics, tests)
         self.total_prefill_tokens = 0
         self.last = TurnResult()
         self.store = store
         # One sentence of plain English for the embedded model: tokens it must not sample (see _plain_english).
         self._banned = _plain_english_mask(self.llm) if one_sentence else None
+        self.decode_failures = 0  # llama_decode calls that failed (none expected: the cells are counted first)
+        self.dropped_rebuilds = 0  # background rebuilds given up to make room for a turn
         self._system_ids = self.llm.tokenize(self._system_text().encode(), add_bos=True, special=True)
+        if len(self._system_ids) + max_reply_tokens + 32 > n_ctx:
+            raise UserError(f"model.system_prompt: {len(self._system_ids)} tokens with max_reply_tokens "
+                            f"({max_reply_tokens}) do not fit model.n_ctx ({n_ctx}); shorten the prompt or raise "
+                            "n_ctx in config.yaml (`appliance check-config` checks the sizes)")
         self._decode(ACTIVE, self._system_ids, 0)
         if store is not None:
-            stored = [Message(m.role, m.text, self._load_audio(m.audio_path), m.id) for m in store.messages()]
+            stored = [Message(m.role, m.text, self._load_audio(m.audio_path), m.id) for m in store.restore()]
             self.history = self._fit(stored, self.history_budget_tokens)
             if self.history:
                 self._rebuild = _Rebuild(self.history, reason="restore")
@@ -321,16 +383,30 @@ class Engine:
             if not use_audio and not transcript:
                 raise NothingToHear("this model cannot hear audio and no transcript was given")
             clip = np.asarray(audio, dtype=np.float32)[: 30 * 16000] if use_audio else None
-            incoming = (self._audio_tokens(clip) if use_audio else len(transcript) // 2 + 16) + len(context) // 2
-            if self.n_past + incoming + self.max_reply_tokens + 16 > self.n_ctx:
-                self._emergency_room(incoming)
-            before = self.n_past
+            ids = None if use_audio else self._tokens(self.fmt.user_turn(_opened(context, transcript)))
+            incoming = (self._audio_tokens(clip) + len(context) // 2 + 8) if use_audio else len(ids)
+            self._make_room(incoming + self.max_reply_tokens + 16)
+            for attempt in (1, 2):
+                before = self.n_past
+                try:
+                    if use_audio:
+                        self._room(ACTIVE, before, incoming)
+                        self._eval_user_audio(ACTIVE, clip, before, context)
+                    else:
+                        self._decode(ACTIVE, ids, before)
+                    break
+                except CacheFull:
+                    self._rollback_to(before)
+                    if attempt == 2:
+                        raise  # reported by the worker (engine_error); the turn is not remembered half-way
+                    self._prune_now(incoming + self.max_reply_tokens + 16)
+                except Exception:
+                    self._rollback_to(before)
+                    raise
             if use_audio:
-                self._eval_user_audio(ACTIVE, clip, before, context)
                 self.last.input = "audio"
                 self._pending_user = Message("user", transcript or USER_AUDIO_PLACEHOLDER, clip, context=context)
             else:
-                self._decode(ACTIVE, self._tokens(self.fmt.user_turn(_opened(context, transcript))), before)
                 self._pending_user = Message("user", transcript, context=context)
             self.last.prefill_tokens = self.n_past - before
             self.total_prefill_tokens += self.last.prefill_tokens
@@ -352,8 +428,8 @@ class Engine:
                     self.last.cancelled = True
                     break
                 with self._lock:
-                    if self.n_past >= self.n_ctx - 8:
-                        break
+                    if self.n_past + self._cells(SHADOW) >= self.n_ctx - 8:
+                        break  # (not reached: start_turn made room for max_reply_tokens)
                     tok = self.llm.sample(temp=self.temperature, top_p=self.top_p, top_k=40,
                                           logits_processor=[self._plain_english] if self._banned is not None else None)
                     if tok in self._stop_tokens:
@@ -387,25 +463,32 @@ class Engine:
         with self._lock:
             if self._reply_start is None:
                 return
-            if complete:
-                text = self.last.text.strip()
-            else:
-                text = spoken_text.strip()
-                self.llm.n_tokens = self._reply_start
-                if text:
-                    self._decode(ACTIVE, self._tokens(text, special=False), self._reply_start)
-                else:
-                    self.llm._ctx.kv_cache_seq_rm(ACTIVE, self._reply_start, -1)
-            self._decode(ACTIVE, self._tokens(self.fmt.close_reply()), self.n_past)
-            new = [self._pending_user, Message("model", text)]
-            for m in new:
-                if self.store is not None:
-                    m.store_id = self.store.append(m.role, m.text, m.audio)
+            text = self.last.text.strip() if complete else spoken_text.strip()
+            in_cache = True
+            try:
+                if not complete:
+                    self.llm.n_tokens = self._reply_start
+                    if text:
+                        self._decode(ACTIVE, self._tokens(text, special=False), self._reply_start)
+                    else:
+                        self.llm._ctx.kv_cache_seq_rm(ACTIVE, self._reply_start, -1)
+                self._decode(ACTIVE, self._tokens(self.fmt.close_reply()), self.n_past)
+            except (CacheFull, RuntimeError) as exc:
+                # The exchange is remembered all the same; the cache is rebuilt from the history below.
+                log.warning("could not close the reply in the cache (%s): rebuilding it from the history", exc)
+                in_cache = False
+            user, model = self._pending_user, Message("model", text)
+            if self.store is not None:  # one transaction: a kill never leaves a question without its answer
+                user.store_id, model.store_id = self.store.append_exchange(user.text, user.audio, model.text)
+            for m in (user, model):
                 self.history.append(m)
                 if self._rebuild is not None:
                     self._rebuild.pending.append(m)
             self._pending_user = None
             self._reply_start = None
+            if not in_cache:
+                self._prune_now(self.max_reply_tokens + 16)
+                return
             if self._rebuild is None and self.n_past > self.history_budget_tokens:
                 kept = self._fit(self.history, self.history_budget_tokens // 2)
                 self._drop_before(kept)
@@ -442,19 +525,30 @@ class Engine:
                 if self._reply_start is not None:
                     return False  # a turn is open on the active sequence: resume after its commit
                 if not rb.pending:
+                    if [id(m) for m in rb.kept] != [id(m) for m in self.history]:
+                        self._drop_rebuild("it no longer matches the history")  # never swap in a wrong history
+                        return True
                     self._swap(rb)
                     return True
-                msg = rb.pending.pop(0)
-                if rb.n == 0:
-                    self._decode(SHADOW, self._system_ids, 0, track=rb)
-                if msg.role == "user" and msg.audio is not None and self.hears_audio:
-                    before = rb.n
-                    rb.n, _ = self.audio.eval_prompt(self.fmt.closed("user", _opened(msg.context, AUDIO_MARKER)), msg.audio, rb.n,
-                                                     n_batch=self.n_batch, seq_id=SHADOW, add_special=False)
-                    rb.tokens += rb.n - before
-                    rb.ids.extend([-1] * (rb.n - before))
-                else:
-                    self._decode(SHADOW, self._tokens(self._closed_turn(msg)), rb.n, track=rb)
+                msg = rb.pending[0]  # taken off the queue only once it is in the cache
+                try:
+                    if rb.n == 0:
+                        self._decode(SHADOW, self._system_ids, 0, track=rb)
+                    if msg.role == "user" and msg.audio is not None and self.hears_audio:
+                        before = rb.n
+                        self._room(SHADOW, rb.n, self._audio_tokens(msg.audio))
+                        prompt = self.fmt.closed("user", _opened(msg.context, AUDIO_MARKER))
+                        rb.n, _ = self.audio.eval_prompt(prompt, msg.audio, rb.n,
+                                                         n_batch=self.n_batch, seq_id=SHADOW, add_special=False)
+                        rb.tokens += rb.n - before
+                        rb.ids.extend([-1] * (rb.n - before))
+                    else:
+                        self._decode(SHADOW, self._tokens(self._closed_turn(msg)), rb.n, track=rb)
+                except (CacheFull, RuntimeError) as exc:
+                    # Give way: the history is intact in self.history; the next prune starts a new rebuild.
+                    self._drop_rebuild(f"{exc.__class__.__name__}: {exc}")
+                    return True
+                rb.pending.pop(0)
                 rb.kept.append(msg)
             if should_yield():
                 return False
@@ -471,6 +565,7 @@ class Engine:
         self._rebuild = None
         ms = (time.perf_counter() - rb.started) * 1000.0
         self.rebuilds.append({"reason": rb.reason, "messages": len(rb.kept), "tokens": rb.tokens, "n_past": rb.n, "ms": round(ms, 1)})
+        del self.rebuilds[:-100]
         log.info("cache rebuilt (%s): %d messages, %d tokens, %.0f ms in the background", rb.reason, len(rb.kept), rb.tokens, ms)
 
     def _decode(self, seq: int, tokens: list[int], pos: int, track: Optional[_Rebuild] = None) -> None:
@@ -478,6 +573,7 @@ class Engine:
         in that sequence only), in batches of ``n_batch``; the active sequence keeps ``llm``'s own
         bookkeeping (``n_tokens``, ``input_ids``) so sampling works as usual."""
         llm = self.llm
+        self._room(seq, pos, len(tokens))
         llm._ctx.kv_cache_seq_rm(seq, pos, -1)
         b = llm._batch.batch
         for i in range(0, len(tokens), self.n_batch):
@@ -490,7 +586,11 @@ class Engine:
                 b.n_seq_id[j] = 1
                 b.logits[j] = False
             b.logits[len(chunk) - 1] = True
-            llm._ctx.decode(llm._batch)
+            try:
+                llm._ctx.decode(llm._batch)
+            except RuntimeError:
+                self.decode_failures += 1
+                raise
             if seq == ACTIVE:
                 llm.input_ids[pos : pos + len(chunk)] = chunk
                 llm.n_tokens = pos + len(chunk)
@@ -543,18 +643,84 @@ class Engine:
         if self.store is not None and ids:
             self.store.drop_through(max(ids))
 
-    def _emergency_room(self, incoming: int) -> None:
-        """The active sequence cannot hold the next turn: finish or start a rebuild now (the user waits;
-        logged, and counted in :attr:`rebuilds`). Only reached when turns come faster than idle time
-        lets the background rebuild finish."""
-        log.warning("context full at %d tokens: rebuilding the history while the user waits", self.n_past)
-        if self._rebuild is None:
-            kept = self._fit(self.history, self.history_budget_tokens // 2)
-            self._drop_before(kept)
-            self._rebuild = _Rebuild(kept, reason="emergency")
-        else:
-            self._rebuild.reason += "+emergency"
-        self.background_step(lambda: False)
+    def _cells(self, seq: int) -> int:
+        """Cells of the shared KV cache that sequence ``seq`` holds, from llama.cpp itself (each sequence
+        fills positions 0..n-1, one cell each)."""
+        import llama_cpp
+
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
+
+    def _room(self, seq: int, pos: int, n: int) -> None:
+        """:raises CacheFull: if ``n`` tokens at ``pos`` in ``seq`` (which drops what ``seq`` holds from
+        ``pos`` on) would not fit beside the other sequence's cells in ``n_ctx``."""
+        other = self._cells(SHADOW if seq == ACTIVE else ACTIVE)
+        if other + pos + n > self.n_ctx:
+            raise CacheFull(f"{pos + n} cells for sequence {seq} and {other} for the other exceed n_ctx {self.n_ctx}")
+
+    def _rollback_to(self, pos: int) -> None:
+        """Forget what the active sequence holds from ``pos`` on (a turn that could not be evaluated whole)."""
+        self.llm._ctx.kv_cache_seq_rm(ACTIVE, pos, -1)
+        self.llm.n_tokens = pos
+
+    def _drop_rebuild(self, why: str) -> None:
+        """Give up the background rebuild and free its cells (the history itself is unchanged)."""
+        rb = self._rebuild
+        if rb is None:
+            return
+        self.llm._ctx.kv_cache_seq_rm(SHADOW, 0, -1)
+        self._rebuild = None
+        self.dropped_rebuilds += 1
+        log.warning("background rebuild (%s) given up after %d of %d messages: %s", rb.reason, len(rb.kept),
+                    len(rb.kept) + len(rb.pending), why)
+
+    def _make_room(self, need: int) -> None:
+        """Make sure ``need`` more cells fit in the active sequence, counting both sequences' cells. In
+        order: nothing to do; finish the background rebuild now if the cache can hold it beside the active
+        sequence (the user waits for the rest of it); else give the rebuild up; and if the active sequence
+        alone is still too long, prune the history and rebuild it into the active sequence at once. Only
+        reached when turns come faster than idle time lets the background rebuild finish."""
+        if self.n_past + self._cells(SHADOW) + need <= self.n_ctx:
+            return
+        rb = self._rebuild
+        if rb is not None:
+            rest = sum(self._cost(m) for m in rb.pending) + (len(self._system_ids) if rb.n == 0 else 0)
+            if self.n_past + rb.n + rest <= self.n_ctx and rb.n + rest + need <= self.n_ctx:
+                log.warning("context full at %d tokens: finishing the history rebuild while the user waits", self.n_past)
+                rb.reason += "+emergency"
+                self.background_step(lambda: False)
+            else:
+                self._drop_rebuild(f"no room for it beside {self.n_past} tokens and the next turn")
+            if self.n_past + self._cells(SHADOW) + need <= self.n_ctx:
+                return
+            self._drop_rebuild("the next turn still does not fit")
+        if self.n_past + need > self.n_ctx:
+            self._prune_now(need)
+
+    def _prune_now(self, need: int) -> None:
+        """Drop the oldest exchanges (down to half the history budget, fewer if the next ``need`` cells
+        require it) and re-evaluate the rest into the active sequence now, while the user waits."""
+        t0 = time.perf_counter()
+        self._drop_rebuild("pruning at once")
+        budget = min(self.history_budget_tokens // 2, self.n_ctx - need)
+        kept = self._fit(self.history, budget)
+        self._drop_before(kept)
+        self._rollback_to(len(self._system_ids))
+        tokens = 0
+        for msg in kept:
+            before = self.n_past
+            if msg.role == "user" and msg.audio is not None and self.hears_audio:
+                self._room(ACTIVE, before, self._audio_tokens(msg.audio))
+                self.audio.eval_prompt(self.fmt.closed("user", AUDIO_MARKER), msg.audio, before,
+                                       n_batch=self.n_batch, seq_id=ACTIVE, add_special=False)
+            else:
+                self._decode(ACTIVE, self._tokens(self._closed_turn(msg)), before)
+            tokens += self.n_past - before
+        ms = (time.perf_counter() - t0) * 1000.0
+        self.rebuilds.append({"reason": "prune-now", "messages": len(kept), "tokens": tokens, "n_past": self.n_past,
+                              "ms": round(ms, 1)})
+        del self.rebuilds[:-100]
+        log.warning("context full: history pruned to %d messages and re-evaluated at once (%d tokens, %.0f ms)",
+                    len(kept), tokens, ms)
 
     def _load_audio(self, path: Optional[str]) -> Optional[np.ndarray]:
         if not path or not self.hears_audio:
@@ -704,6 +870,7 @@ class EngineWorker:
                 self.post("engine_error", reason=f"{exc.__class__.__name__}: {exc}")
 
     def _turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
+        self._cancelled = {r for r in self._cancelled if r > reply_id - 100}  # replies are numbered in order
         if reply_id in self._cancelled:
             return
         splitter = self.split()

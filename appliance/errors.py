@@ -10,6 +10,19 @@ class UserError(Exception):
 
     exit_code = 2
 
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(str(message)))
+
+
+MAX_MESSAGE_CHARS = 600  # an error is read on a console or in `systemctl status`: one line, not a dump
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` with its white space collapsed to single spaces and cut to ``limit`` characters (the cut
+    marked with "…"), so that no input, however large, makes an error message large."""
+    text = " ".join(text[: limit * 4].split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 def yaml_problem(exc) -> tuple:
     """Where and what a PyYAML error is, for one line: (line or None, text). The line is where the parser

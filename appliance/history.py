@@ -63,17 +63,76 @@ class HistoryStore:
 
     def append(self, role: str, text: str, audio: Optional[np.ndarray] = None) -> int:
         """Store one message (and its 16 kHz float32 audio if given and kept). Returns its id."""
-        path = None
-        if audio is not None and self.keep_audio and len(audio):
-            from .audio.files import write_wav
-
-            p = self.dir / "audio" / f"{int(time.time())}-{uuid.uuid4().hex[:8]}.wav"
-            write_wav(p, audio, 16000)
-            path = str(p)
+        path = self._write_audio(audio)
         with self._lock:
             cur = self.db.execute("INSERT INTO messages (role, text, audio_path, created_s) VALUES (?, ?, ?, ?)",
                                   (role, text, path, time.time()))
             return int(cur.lastrowid)
+
+    def append_exchange(self, user_text: str, user_audio: Optional[np.ndarray], model_text: str) -> tuple[int, int]:
+        """Store a user turn and the reply to it in ONE transaction, so that a kill or a power cut keeps
+        both or neither (the user's audio WAV is written first; an orphaned WAV is harmless).
+
+        :param user_audio: float32 16 kHz mono, or None; written only when ``keep_audio`` is on.
+        :returns: ``(user_id, model_id)``.
+        """
+        path = self._write_audio(user_audio)
+        now = time.time()
+        sql = "INSERT INTO messages (role, text, audio_path, created_s) VALUES (?, ?, ?, ?)"
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                uid = self.db.execute(sql, ("user", user_text, path, now)).lastrowid
+                mid = self.db.execute(sql, ("model", model_text, None, now)).lastrowid
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return int(uid), int(mid)
+
+    def restore(self) -> list[StoredMessage]:
+        """The stored conversation as whole exchanges: a user message followed by its reply, alternating.
+
+        A history that does not alternate (left by an older version that committed the two rows
+        separately and was killed between them) is repaired: every message that is not part of a
+        user → model pair is deleted from the database, with one warning in the log.
+
+        :returns: the messages kept, oldest first, ``[user, model, user, model, ...]``.
+        """
+        rows = self.messages()
+        kept: list[StoredMessage] = []
+        stray: list[StoredMessage] = []
+        i = 0
+        while i < len(rows):
+            if rows[i].role == "user" and i + 1 < len(rows) and rows[i + 1].role == "model":
+                kept += rows[i : i + 2]
+                i += 2
+            else:
+                stray.append(rows[i])
+                i += 1
+        if stray:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s: the stored history did not alternate user/model; dropped %d unpaired message(s) (ids %s)",
+                self.dir / "history.sqlite3", len(stray), ", ".join(str(m.id) for m in stray[:10]))
+            with self._lock:
+                self.db.execute("BEGIN IMMEDIATE")
+                self.db.executemany("DELETE FROM messages WHERE id = ?", [(m.id,) for m in stray])
+                self.db.execute("COMMIT")
+            for m in stray:
+                if m.audio_path:
+                    Path(m.audio_path).unlink(missing_ok=True)
+        return kept
+
+    def _write_audio(self, audio: Optional[np.ndarray]) -> Optional[str]:
+        if audio is None or not self.keep_audio or not len(audio):
+            return None
+        from .audio.files import write_wav
+
+        p = self.dir / "audio" / f"{int(time.time())}-{uuid.uuid4().hex[:8]}.wav"
+        write_wav(p, audio, 16000)
+        return str(p)
 
     def messages(self) -> list[StoredMessage]:
         with self._lock:

@@ -108,13 +108,16 @@ class TurnMetrics:
     :param xruns: optional callable returning a cumulative xrun count; its increase over a turn is added
         to the ``xruns`` of the ``turn_end`` record (what ``Conversation.turn_stats`` reports) and to the
         ``xrun`` events seen (``post("xrun", count=n)``).
+    :param keep: how many turns :attr:`turns` keeps: None all (reading a file back), 0 none (the
+        service, which runs for months: a list of every turn would grow without end).
 
     Runs on the conversation thread: it only formats and appends a line. A failing write is reported
     once on stderr and never raised (metrics must not stop the appliance).
     """
 
     def __init__(self, path: Optional[str | Path] = None, stream: Optional[TextIO] = sys.stdout,
-                 timestamps: Optional[bool] = None, xruns: Optional[Callable[[], int]] = None):
+                 timestamps: Optional[bool] = None, xruns: Optional[Callable[[], int]] = None,
+                 keep: Optional[int] = None):
         self.path = Path(path) if path else None
         self.stream = stream
         self.timestamps = (not under_systemd()) if timestamps is None else timestamps
@@ -126,6 +129,7 @@ class TurnMetrics:
         self._barge_ins = 0
         self._warned = False
         self._lock = threading.Lock()
+        self.keep = keep  # turns kept in self.turns: None = all (reading a file back), 0 = none (the service)
         self.turns: list[dict] = []
 
     def __call__(self, record: dict) -> None:
@@ -151,7 +155,10 @@ class TurnMetrics:
         metrics.update(barge_in_ms=self._barge_in_ms, barge_ins=self._barge_ins, xruns=xruns)
         self._xruns, self._barge_in_ms, self._barge_ins, self._pause_onset = 0, None, 0, None
         metrics = {k: v for k, v in metrics.items() if v is not None}
-        self.turns.append(metrics)
+        if self.keep is None or self.keep > 0:
+            self.turns.append(metrics)
+            if self.keep is not None:
+                del self.turns[: -self.keep]
         self._write(metrics)
 
     def _write(self, metrics: dict) -> None:
@@ -240,7 +247,11 @@ def read_turns(source: str | Path) -> list[dict]:
             report = json.loads(text)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON (line {exc.lineno}); give a report.json or a metrics file") from None
-        return _from_records(report.get("turns", [])) if isinstance(report, dict) else []
+        turns = report.get("turns", []) if isinstance(report, dict) else []
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise UserError(f"{path}: `turns` is not a list of turn objects; give a report.json that "
+                            "`appliance replay` wrote, or a metrics file")
+        return _from_records(turns)
     records, lines = [], []
     for n, line in enumerate(text.splitlines(), 1):
         s = line.strip()

@@ -60,7 +60,7 @@ def embedded_config(cfg: Optional[Config] = None) -> Config:
     cfg = (cfg or Config()).model_copy(deep=True)
     cfg.model.gguf = str(embedded_model_path())
     cfg.model.mmproj = None
-    cfg.model.n_ctx = 2048
+    cfg.model.n_ctx = 2560  # the sizing rule (config.context_needed): 1.5 x 1024 + 80 + 766 = 2382
     cfg.model.n_threads = 2
     cfg.model.history_budget_tokens = 1024
     cfg.model.max_reply_tokens = 80
@@ -231,15 +231,22 @@ class TtsWorker:
             audio = resample(np.concatenate(chunks), self.tts.sample_rate, self.playback.sample_rate)
             self.audio_s += len(audio) / self.playback.sample_rate
             if self.playback.enqueue(reply_id, audio, text) and reply_id not in self._started:
+                self._started = {r for r in self._started if r > reply_id - 100}  # replies are numbered in order
                 self._started.add(reply_id)
                 self.post("tts_first_audio", reply_id=reply_id)
 
 
 class Timeline:
     """A conversation observer that writes ``timeline.jsonl`` (one JSON object a line) and keeps the
-    records for the report."""
+    records for the report.
 
-    def __init__(self, path: Optional[Path] = None, echo: Optional[Callable[[str], None]] = None):
+    :param keep: keep every record in :attr:`records` (a replay's report needs them); the service, which
+        runs for months, passes False and only echoes them.
+    """
+
+    def __init__(self, path: Optional[Path] = None, echo: Optional[Callable[[str], None]] = None,
+                 keep: bool = True):
+        self.keep = keep
         self.records: list[dict] = []
         self._lock = threading.Lock()
         self._fh = open(path, "w", encoding="utf-8") if path else None
@@ -247,7 +254,8 @@ class Timeline:
 
     def __call__(self, record: dict) -> None:
         with self._lock:
-            self.records.append(record)
+            if self.keep:
+                self.records.append(record)
             line = json.dumps(record, default=jsonable)
             if self._fh:
                 self._fh.write(line + "\n")

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .audio.files import MODEL_RATE, write_wav
+from .audio.files import MODEL_RATE, first_above, write_wav
 from .audio.room import Scenario, SimulatedRoom
 from .config import Config
 from .errors import UserError
@@ -30,7 +30,10 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
         raise UserError(f"{path}: is a directory; give a WAV of speech or a scenario .yaml")
     if path.suffix.lower() in (".yaml", ".yml"):
         return Scenario.load(path)
-    return Scenario.from_wav(path, text=transcript)
+    scenario = Scenario.from_wav(path, text=transcript)
+    if first_above(scenario.events[0].audio, -40.0) < 0:
+        raise UserError(f"{path}: holds no speech (no sample above -40 dBFS); give a recording of someone speaking")
+    return scenario
 
 
 def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> float:

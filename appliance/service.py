@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from .config import DEFAULT_CONFIG_PATH, Config, load
-from .errors import UserError
+from .errors import UserError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class Service:
         self.session = Session(cfg, parts, out_rate=PLAYBACK_RATE)  # its canceller: echo.from_config
         conv = self.session.conversation
         conv.keep_muted = self.mute.value
+        conv.keep_turns = 100  # the service runs for months: no list of every turn
         if self.mute.value:
             self.session.listener.muted = True  # before any audio flows
         conv.subscribe(lambda r: self.indicators.observe(r))
@@ -119,7 +120,7 @@ class Service:
             conv.subscribe(timeline)
         from .metrics import METRICS_FILE, TurnMetrics
 
-        conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE))  # one journal line per turn
+        conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE, keep=0))  # one journal line per turn
         self.audio = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, PLAYBACK_RATE,
                                  self.session.playback.read, self.session.listener.capture, self._on_audio,
                                  backoff=(0.5, cfg.audio.retry_max_s))
@@ -131,6 +132,7 @@ class Service:
         self.status = "starting"
         self.ready_posted = False
         self.reloads: list[dict] = []
+        self.reload_problem: Optional[str] = None  # why the last reload was refused (shown in STATUS=)
         self._model_thread: Optional[threading.Thread] = None
 
     def _post(self, name: str, **info) -> None:
@@ -194,11 +196,14 @@ class Service:
         try:
             new = load(path)
             prepared = self._prepare(new)
-        except UserError as exc:
-            log.error("config reload rejected, keeping the running config: %s", exc)
+        except Exception as exc:  # whatever is wrong with the file, the running service keeps its config
+            reason = str(exc) if isinstance(exc, UserError) else one_line(f"{path}: {exc.__class__.__name__}: {exc}")
+            log.error("config reload rejected, keeping the running config: %s", reason)
             self.indicators.flash("config_error", CONFIG_ERROR_FLASH_S)
-            self.reloads.append({"applied": False, "reason": str(exc)})
+            self.reloads.append({"applied": False, "reason": reason})
+            self.reload_problem = f"config reload rejected, running on the previous config: {reason}"
             return False
+        self.reload_problem = None
         changed = self._apply(new, prepared)
         log.warning("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
         self.reloads.append({"applied": True, "changed": changed})
@@ -375,7 +380,7 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
     # The full event timeline goes to the debug log (`appliance -v run`); the journal gets one metrics
     # line per turn.
     svc = Service(cfg, parts, pin_factory=pin_factory, indicators=early,
-                  timeline=Timeline(echo=lambda line: log.debug("%s", line)))
+                  timeline=Timeline(echo=lambda line: log.debug("%s", line), keep=False))
     post_box.append(svc._post)
     svc.start()
     notifier.notify("READY=1", f"STATUS={svc.status}")
@@ -391,7 +396,7 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
                 else:
                     svc.reload(config_path)
                 notifier.notify("READY=1")
-            notifier.status(svc.status)
+            notifier.status(f"{svc.status}; {svc.reload_problem}" if svc.reload_problem else svc.status)
             if interval is not None and time.monotonic() >= next_ping:
                 alive = svc.threads_alive()
                 if all(alive.values()):
@@ -436,6 +441,9 @@ def _load_parts_or_wait(cfg: Config, config_path, indicators, notifier, stop: th
             return parts, cfg
         except UserError as exc:
             reason = str(exc)
+        except Exception as exc:  # llama.cpp or the voice failing in a way we did not foresee: wait, do not crash
+            log.debug("model load failed", exc_info=True)
+            reason = one_line(f"{cfg.model.gguf}: cannot load ({exc.__class__.__name__}: {exc})")
         indicators.show("error")
         log.error("no model: %s (waiting; `systemctl reload appliance` after fixing it)", reason)
         if not announced:
@@ -455,8 +463,9 @@ def _load_parts_or_wait(cfg: Config, config_path, indicators, notifier, stop: th
                         if not new.model.mmproj:
                             raise text_only_refusal(Path(new.model.gguf))
                         cfg = new
-                    except UserError as exc:
-                        log.error("config reload rejected: %s", exc)
+                    except Exception as exc:
+                        log.error("config reload rejected: %s", exc if isinstance(exc, UserError) else one_line(
+                            f"{config_path}: {exc.__class__.__name__}: {exc}"))
                         continue
                 break
             if _model_files_stamp(cfg) != last_seen:

@@ -21,12 +21,62 @@ HEADROOM = 10 ** (-1.0 / 20.0)
 _NON_LATIN = re.compile("[^\u0000-\u024F\u1E00-\u1EFF\u2000-\u206F]")
 
 
+# Control characters other than white space (a model may generate NUL: espeak then raises "embedded null
+# character").
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
 def speakable(text: str) -> str:
-    """What a speaker can say of ``text``: :func:`appliance.ear.for_the_ear` (markdown, links, URLs, emoji,
-    units, currency, symbols as words; white space collapsed)."""
+    """What a speaker can say of ``text``: control characters removed (a model may generate NUL), then
+    :func:`appliance.ear.for_the_ear` (markdown, links, URLs, emoji, units, currency, symbols as words;
+    white space collapsed)."""
     from .ear import for_the_ear
 
-    return for_the_ear(text)
+    return for_the_ear(_CONTROL.sub(" ", text))
+
+
+# Longest clause handed to Piper, characters (about 17 words, 6 s of speech). Piper's memory grows with
+# the longest input it has ever synthesised and is not given back (onnxruntime keeps its arena), so an
+# unpunctuated 120-word reply took it from 204 MB to 1.7 GB. Longer text is cut at a word boundary.
+# (180 characters still cost 190 MB over a short sentence; README, "Measured".)
+MAX_CLAUSE_CHARS = 100
+# Words a long clause is best cut before (the cut then falls where a speaker would breathe).
+_BREATH_WORDS = {"and", "but", "or", "so", "because", "which", "that", "while", "when", "where", "then",
+                 "although", "though", "if", "unless", "until", "since", "as", "with", "without", "for"}
+
+
+def _long_cut(text: str, max_chars: int) -> int:
+    """Where to cut ``text`` (longer than ``max_chars``) so the first part is at most ``max_chars``: after
+    the last comma, semicolon, colon or dash in its second half; else before the last conjunction
+    (:data:`_BREATH_WORDS`) in its second half; else at the last space; else (one endless "word") at
+    ``max_chars``. Returns the index of the cut (1..max_chars)."""
+    head = text[: max_chars + 1]
+    half = max_chars // 2
+    punct = max((head.rfind(p + " ") for p in (",", ";", ":", " -", " –", " —")), default=-1)
+    if punct >= half:
+        return punct + 1
+    for m in reversed(list(re.finditer(r"\s(\w+)", head))):
+        if m.start() < half:
+            break
+        if m.group(1).lower() in _BREATH_WORDS and m.end() <= max_chars:
+            return m.start() + 1
+    space = head.rfind(" ")
+    return space + 1 if space > 0 else max_chars
+
+
+def cap_clauses(text: str, max_chars: int = MAX_CLAUSE_CHARS) -> list[str]:
+    """``text`` cut into pieces of at most ``max_chars`` characters at word boundaries (see
+    :func:`_long_cut`), stripped, empty pieces dropped. Text that is short enough comes back whole."""
+    out = []
+    text = text.strip()
+    while len(text) > max_chars:
+        cut = _long_cut(text, max_chars)
+        piece, text = text[:cut].strip(), text[cut:].strip()
+        if piece:
+            out.append(piece)
+    if text:
+        out.append(text)
+    return out
 
 
 class SentenceSplitter:
@@ -39,8 +89,9 @@ class SentenceSplitter:
 
     _ABBREV = {"mr.", "mrs.", "ms.", "dr.", "st.", "e.g.", "i.e.", "etc.", "vs.", "no."}
 
-    def __init__(self, min_clause_chars: int = 24):
+    def __init__(self, min_clause_chars: int = 24, max_clause_chars: int = MAX_CLAUSE_CHARS):
         self.min_clause_chars = min_clause_chars
+        self.max_clause_chars = max_clause_chars
         self._buf = ""
 
     def feed(self, piece: str) -> list[str]:
@@ -52,18 +103,22 @@ class SentenceSplitter:
             if cut is None:
                 break
             clause, self._buf = self._buf[:cut], self._buf[cut:]
-            clause = speakable(clause)
-            if clause:
-                out.append(clause)
+            out.extend(cap_clauses(speakable(clause), self.max_clause_chars))
         return out
 
     def flush(self) -> list[str]:
         """The rest of the text, at the end of the stream."""
         clause, self._buf = speakable(self._buf), ""
-        return [clause] if clause else []
+        return cap_clauses(clause, self.max_clause_chars)
 
     def _find_cut(self) -> Optional[int]:
         b = self._buf
+        if len(b) > self.max_clause_chars + 40:  # no end of sentence in sight: cut at a word boundary now
+            cut = self._punct_cut(b[: self.max_clause_chars + 40])
+            return cut if cut is not None else _long_cut(b, self.max_clause_chars)
+        return self._punct_cut(b)
+
+    def _punct_cut(self, b: str) -> Optional[int]:
         for i, ch in enumerate(b):
             nxt = b[i + 1] if i + 1 < len(b) else None
             if ch == "\n" and b[:i].strip():
@@ -123,6 +178,10 @@ class Tts:
         return speakable(text)
 
     def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Yield float32 mono audio at :attr:`sample_rate`, one chunk per sentence of ``text``."""
-        for chunk in self.voice.synthesize(text, syn_config=self._syn):
-            yield np.asarray(chunk.audio_float_array, dtype=np.float32).reshape(-1)
+        """Yield float32 mono audio at :attr:`sample_rate`, one chunk per sentence of ``text``, after
+        :meth:`clean` (what the voice cannot say is dropped first: letters of another script are spelled
+        out by espeak, many phonemes each); a sentence longer than :data:`MAX_CLAUSE_CHARS` characters is
+        spoken in pieces cut at word boundaries, so Piper's memory stays bounded whatever the text."""
+        for piece in cap_clauses(self.clean(text)):
+            for chunk in self.voice.synthesize(piece, syn_config=self._syn):
+                yield np.asarray(chunk.audio_float_array, dtype=np.float32).reshape(-1)

@@ -82,7 +82,8 @@ def test_config_that_is_not_utf8(tmp_path):
     cfg.write_bytes(b"vad:\n  threshold: 0.5 \xff\n")
     r = check_config(cfg)
     assert r.returncode == 2
-    assert r.stderr == f"error: {cfg}: not UTF-8 text (byte 22); save the file as UTF-8\n"
+    assert r.stderr == (f"error: {cfg}: not UTF-8 text (byte 22, line 2); save it as UTF-8, e.g. "
+                        "`iconv -f latin1 -t utf-8 config.yaml > fixed.yaml`\n")
 
 
 def test_every_problem_at_once_sorted_by_line(tmp_path):

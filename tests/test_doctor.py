@@ -87,7 +87,7 @@ def test_embedded_checks_the_embedded_parts(tmp_path):
     got = rows(r.stdout)
     assert got["model"]["status"] == PASS and "gemma3" in got["model"]["detail"]
     assert got["projector"]["status"] == SKIP
-    assert got["ram"]["status"] == PASS and "KV cache 10 MiB at n_ctx 2048 q4_0" in got["ram"]["detail"]
+    assert got["ram"]["status"] == PASS and "KV cache 13 MiB at n_ctx 2560 q4_0" in got["ram"]["detail"]
     assert got["gpio"]["status"] == SKIP
     assert got["piper voice"]["status"] == PASS
     assert [k for k, v in got.items() if v["status"] == FAIL] == ["audio input", "audio output"]
@@ -167,6 +167,16 @@ def test_gguf_files_are_parsed_and_sized(tmp_path):
     model, proj = d.check_model()
     assert model.status == FAIL and model.detail.startswith(f"{text}: not a GGUF (invalid magic characters")
     assert proj.status == FAIL and proj.detail == f"{tmp_path}: is a directory"
+
+
+def test_the_projector_given_as_the_model_fails_the_model_row(tmp_path):
+    proj = TINY / "tiny-gemma4-mmproj.gguf"
+    d = doctor_for(tmp_path, f"model:\n  gguf: {proj}\n  mmproj: {proj}\n")
+    model, _ = d.check_model()
+    assert model.status == FAIL, model
+    assert model.detail.startswith(f"{proj.name}: GGUF v3, clip, ") and model.detail.endswith(
+        ": an audio projector, not the language model"), model.detail
+    assert "model.mmproj" in model.fix
 
 
 def test_a_text_only_config_fails_the_projector(tmp_path):

@@ -164,3 +164,59 @@ def test_speech_a_text_model_cannot_take_drops_the_turn_with_one_log_line(fresh_
     assert posted == [("engine_error", {"reason": "this model cannot hear audio and no transcript was given"})]
     [rec] = [r for r in caplog.records if r.name == "appliance.engine"]
     assert rec.levelname == "WARNING" and rec.exc_info is None and "reply 7 dropped" in rec.getMessage()
+
+
+def _roles_alternate(messages) -> bool:
+    roles = [m.role for m in messages]
+    return len(roles) % 2 == 0 and roles == ["user", "model"] * (len(roles) // 2)
+
+
+def test_back_to_back_turns_never_overflow_the_shared_cache_and_lose_no_turn(tmp_path, speech):
+    """No idle time at all: a rebuild starts at every prune and gets at most one message per turn, so the
+    active and shadow sequences compete for one small cache. Every cell is counted before each decode,
+    the rebuild gives way, and the history is pruned at once instead: nothing fails, nothing is lost."""
+    store = HistoryStore(tmp_path)
+    e = tiny(store=store, n_ctx=640, history_budget_tokens=320, max_reply_tokens=12)
+    committed = []
+    for i in range(40):
+        text = "".join(e.start_turn(speech))
+        e.commit_spoken(text, complete=True)
+        committed.append(text.strip())
+        if i % 3 == 0:
+            e.background_step(lambda: True)  # a sliver of idle time: one message into the shadow, then yield
+        cells = e._cells(0) + e._cells(1)
+        assert cells <= e.n_ctx, (i, cells)
+        assert _roles_alternate(e.history) and _roles_alternate(store.messages())
+        assert e.history[-1].text == text.strip()  # this turn's reply is the newest remembered one
+    assert e.decode_failures == 0
+    assert e.dropped_rebuilds > 0 and any(r["reason"] == "prune-now" for r in e.rebuilds)  # both ways out were taken
+    # What is remembered is the newest replies, in order, with none missing in between.
+    kept = [m.text for m in e.history if m.role == "model"]
+    assert kept == committed[-len(kept):]
+    assert [m.text for m in store.messages() if m.role == "model"] == kept
+
+
+def test_an_exchange_is_stored_in_one_transaction(tmp_path):
+    """If the reply's row cannot be written, the question's row is not kept either (a real SQLite
+    trigger stands in for the kill between the two rows)."""
+    store = HistoryStore(tmp_path)
+    store.append_exchange("first question", None, "first answer")
+    store.db.execute("CREATE TRIGGER refuse BEFORE INSERT ON messages WHEN NEW.role = 'model' "
+                     "BEGIN SELECT RAISE(ABORT, 'killed'); END")
+    with pytest.raises(Exception, match="killed"):
+        store.append_exchange("second question", None, "second answer")
+    assert [(m.role, m.text) for m in store.messages()] == [("user", "first question"), ("model", "first answer")]
+
+
+def test_restore_repairs_a_history_that_does_not_alternate(tmp_path, speech):
+    """Rows left by a version that committed user and model separately and was killed in between:
+    u m u u m m u. The restore keeps the whole exchanges, deletes the strays, and the engine serves it."""
+    store = HistoryStore(tmp_path)
+    for role, text in [("user", "q1"), ("model", "a1"), ("user", "q2 lost its answer"), ("user", "q3"),
+                       ("model", "a3"), ("model", "a orphan"), ("user", "q4 killed before its answer")]:
+        store.append(role, text)
+    kept = store.restore()
+    assert [(m.role, m.text) for m in kept] == [("user", "q1"), ("model", "a1"), ("user", "q3"), ("model", "a3")]
+    assert [(m.role, m.text) for m in HistoryStore(tmp_path).messages()] == [(m.role, m.text) for m in kept]
+    e = tiny(store=HistoryStore(tmp_path))
+    assert _roles_alternate(e.history) and [m.text for m in e.history] == ["q1", "a1", "q3", "a3"]

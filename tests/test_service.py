@@ -85,6 +85,23 @@ def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
         log = (tmp_path / "stderr.txt").read_text()
         rejected = [l for l in log.splitlines() if "config reload rejected" in l]
         assert len(rejected) == 1 and "vad.threshold" in rejected[0], log
+        # A file built to take the parser down (deep nesting: RecursionError; an alias bomb: gigabytes) is
+        # rejected the same way, the service stays up, and STATUS= says why.
+        hostile = {"nested deeper than 32": "model: " + "[" * 5000 + "]" * 5000 + "\n",
+                   "anchors and aliases": "\n".join(
+                       ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] +
+                       [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]) + "\n"}
+        for n, (why, text) in enumerate(hostile.items(), 2):
+            cfg_path.write_text(text)
+            proc.send_signal(signal.SIGHUP)
+            msgs = _recv_until(sock, lambda g: any("config reload rejected" in m and why in m for m in g), 10)
+            assert any("STATUS=" in m and "config reload rejected" in m and why in m for m in msgs), "\n".join(msgs)
+            time.sleep(0.3)
+            log = (tmp_path / "stderr.txt").read_text()
+            rejected = [l for l in log.splitlines() if "config reload rejected" in l]
+            assert len(rejected) == n and why in rejected[-1] and len(rejected[-1]) < 1000, log
+            assert "Traceback" not in log, log
+            assert proc.poll() is None, "the service must keep running on its previous config"
         # A valid one is applied.
         cfg_path.write_text(good + "vad:\n  threshold: 0.6\n")
         proc.send_signal(signal.SIGHUP)
@@ -93,6 +110,9 @@ def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
         log = (tmp_path / "stderr.txt").read_text()
         assert "config reloaded" in log and "changed: vad" in log, log
         assert proc.poll() is None
+        msgs = _recv_until(sock, lambda g: any("STATUS=" in m for m in g), 3)
+        status = [m for m in msgs if "STATUS=" in m]
+        assert status and "config reload rejected" not in status[-1], msgs  # a good reload clears the status
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -226,6 +246,9 @@ def test_reload_applies_vad_threshold_and_voice_without_losing_the_conversation(
         assert "vad.threshold" in svc.reloads[-1]["reason"]
         assert svc.session.segmenter.threshold == 0.7  # the running config stays, whole
         assert svc.session.tts_worker.tts.model_path == voice
+        cfg_path.write_text("vad: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n")
+        assert svc.reload(cfg_path) is False
+        assert "nested deeper than 32" in svc.reload_problem and svc.session.segmenter.threshold == 0.7
     finally:
         svc.session.stop()
 

@@ -79,3 +79,62 @@ def test_first_audio_before_the_llm_finishes():
     assert first_audio, events
     assert first_audio[0] < t_llm_done - 1.0  # at least a second of the reply's generation still to come
     assert playback.pending_samples > 16000 * 3  # the whole reply was queued
+
+
+_BASE = ("the river ran past the old mill and the children watched the ducks while their parents talked about "
+         "the weather and the harvest because the summer had been long and dry so everyone hoped for rain that "
+         "would fill the wells").split()
+WORDS_120 = " ".join((_BASE * 4)[:120])  # 120 words, no punctuation at all
+
+
+def test_an_unpunctuated_reply_is_cut_at_word_boundaries_within_the_cap():
+    from appliance.speech import MAX_CLAUSE_CHARS, cap_clauses
+
+    text = WORDS_120
+    assert len(text.split()) == 120 and "," not in text
+    sp = SentenceSplitter()
+    clauses = []
+    for word in text.split():  # as the LLM streams it, token by token
+        clauses += sp.feed(word + " ")
+    clauses += sp.flush()
+    assert len(clauses) >= 3 and all(len(c) <= MAX_CLAUSE_CHARS for c in clauses), [len(c) for c in clauses]
+    assert " ".join(clauses).split() == text.split()  # every word, in order, none cut in two
+    # The cut prefers a point where a speaker breathes: before a conjunction, not mid-phrase.
+    assert all(c.split()[0] in {"and", "so", "because", "that", "while"} for c in clauses[1:]), clauses
+    assert cap_clauses("Short enough.") == ["Short enough."]
+
+
+def test_a_120_word_unpunctuated_reply_keeps_piper_within_100_mb_of_a_short_one():
+    """Real Piper in a fresh process: resident memory (VmRSS) after a short reply (one 84-character
+    sentence), then after 120 words with no punctuation, which used to take Piper from about 200 MB to
+    1.7 GB and keep it there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from appliance.speech import Tts\n"
+        "def rss():\n"
+        "    return next(int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:'))\n"
+        "tts = Tts()\n"
+        "short = sum(len(c) for c in tts.synthesize('The moon is the big rock that circles the Earth and shines "
+        "with light from the sun.'))\n"
+        "a = rss()\n"
+        "long = sum(len(c) for c in tts.synthesize(sys.argv[1]))\n"
+        "print(short, long, a, rss())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, WORDS_120], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    short, long, rss_short, rss_long = map(float, out.stdout.split())
+    assert long > 5 * short  # the whole reply was spoken, not dropped
+    assert rss_long - rss_short <= 100, (rss_short, rss_long)
+
+
+def test_control_characters_a_model_generates_are_not_spoken():
+    """The tiny random Gemma 4 generated a NUL in a 500-turn soak: espeak raised "embedded null character"
+    and the clause was lost. Control characters are dropped like markdown."""
+    assert speakable("Hello\x00 wor\x07ld\x1b.\u0085") == "Hello wor ld ."
+    tts = Tts()
+    assert sum(len(c) for c in tts.synthesize("Hello\x00 world.")) > tts.sample_rate // 4

@@ -29,6 +29,7 @@ Scenario files (YAML)::
 
 from __future__ import annotations
 
+import reprlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,9 +37,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-import yaml
 
-from ..errors import UserError, yaml_problem
+from ..errors import UserError
 from .files import MODEL_RATE, first_above, load_audio
 
 BLOCK = 160  # 10 ms at 16 kHz
@@ -118,9 +118,9 @@ def _number(value, what: str, low: float, high: float, unit: str) -> float:
         except ValueError:
             pass
     if x is None or not np.isfinite(x):
-        raise UserError(f"{what} must be a number of {unit}, not {value!r}")
+        raise UserError(f"{what} must be a number of {unit}, not {reprlib.repr(value)}")
     if not low <= x <= high:
-        raise UserError(f"{what} must be between {low:g} and {high:g} {unit}, not {value!r}")
+        raise UserError(f"{what} must be between {low:g} and {high:g} {unit}, not {reprlib.repr(value)}")
     return x
 
 
@@ -137,19 +137,29 @@ class Scenario:
 
     @classmethod
     def load(cls, path: str | Path) -> "Scenario":
-        """Parse a scenario YAML. Raises :class:`UserError` naming the file, the event and the fix."""
+        """Parse a scenario YAML (bounded like the config: :mod:`appliance.safeyaml`; duplicate keys refused).
+
+        :raises UserError: one line naming the file, the event and the fix, for any problem with it.
+        """
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"{path}: scenario file not found; check the path") from None
-        except yaml.YAMLError as exc:
-            line, what = yaml_problem(exc)
-            where = f" at line {line}" if line else ""
-            raise UserError(f"{path}: invalid YAML{where}: {what}; fix the syntax (see the scenario format in the "
-                            "README)") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path}: cannot read the scenario ({exc.__class__.__name__})") from None
+            return cls._load(path)
+        except UserError:
+            raise
+        except Exception as exc:  # whatever the file holds, one line and exit 2, never a traceback
+            raise UserError(f"{path}: cannot load the scenario ({exc.__class__.__name__}); check it against the "
+                            "scenario format in the README") from None
+
+    @classmethod
+    def _load(cls, path: Path) -> "Scenario":
+        from ..safeyaml import duplicate_keys, load_file
+
+        node, data = load_file(path, "scenario", "check the path",
+                               "fix the syntax (see the scenario format in the README)")
+        dups = duplicate_keys(node)
+        if dups:
+            line, key, first = dups[0]
+            raise UserError(f"{path}: line {line}: duplicate key {key} (also at line {first}); keep one")
         unknown = set(data) - {"events", "room"} if isinstance(data, dict) else set()
         if unknown:
             raise UserError(f"{path}: unknown top-level key(s) {sorted(unknown)}; only `events` and `room` are allowed")
@@ -171,7 +181,7 @@ class Scenario:
             if ("at" in ev) == ("after" in ev):
                 raise UserError(f"{where}: give exactly one of `at: SECONDS` or `after: speaking`")
             if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
-                raise UserError(f"{where}: `after:` must be speaking, thinking or listening, not {ev['after']!r}")
+                raise UserError(f"{where}: `after:` must be speaking, thinking or listening, not {str(ev['after'])[:40]!r}")
             for key in ("at", "delay", "gain_db"):
                 if key in ev:
                     ev[key] = _number(ev[key], f"{where}: `{key}`", *EVENT_RANGES[key])

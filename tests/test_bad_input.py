@@ -1,0 +1,186 @@
+"""Hostile and broken files, through the real command line: each gets one line on stderr naming the file,
+exit 2, no traceback, within 10 s and 500 MB (the child's peak RSS, from wait4).
+
+Classes: config (check-config), scenario and audio (replay, which reads its input before loading any
+model), model (replay with a config naming bad model files: the real llama.cpp and mtmd loaders), stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures" / "tiny_gemma4"
+GGUF, MMPROJ = FIX / "tiny-gemma4.gguf", FIX / "tiny-gemma4-mmproj.gguf"
+QUESTION = ROOT / "demo" / "question.wav"
+LIMIT_S, LIMIT_MB = 10.0, 500.0
+
+BOMB = "\n".join([f'l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] + [
+    f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 10)]) + "\n"
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def run_cli(args: list[str], cwd: Path) -> tuple[int, str, float, float]:
+    """``python -m appliance ARGS``: (exit code, stderr, seconds, peak RSS of the child in MB)."""
+    err = cwd / "stderr.txt"
+    t0 = time.monotonic()
+    with open(err, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "appliance", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=fh, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        deadline = t0 + 60
+        while True:  # wait4 gives this child's own rusage (ru_maxrss, KB)
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.02)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, err.read_text(), time.monotonic() - t0, usage.ru_maxrss / 1024.0
+
+
+def _config(tmp: Path, text: str) -> Path:
+    p = tmp / "config.yaml"
+    p.write_text(text)
+    return p
+
+
+def _scenario(tmp: Path, text: str | bytes) -> Path:
+    p = tmp / "scenario.yaml"
+    (p.write_bytes if isinstance(text, bytes) else p.write_text)(text)
+    return p
+
+
+def _fifo(tmp: Path, name: str) -> Path:
+    p = tmp / name
+    os.mkfifo(p)
+    return p
+
+
+def _wav(tmp: Path, name: str, audio: np.ndarray, rate: int = 16000, subtype: str = "FLOAT") -> Path:
+    p = tmp / name
+    sf.write(str(p), audio, rate, subtype=subtype)
+    return p
+
+
+def _models(tmp: Path, gguf, mmproj) -> Path:
+    return _config(tmp, f"model:\n  gguf: {gguf}\n  mmproj: {mmproj}\n  n_ctx: 2048\n"
+                        f"  history_budget_tokens: 512\n  max_reply_tokens: 16\n"
+                        f"gpio:\n  enabled: false\nstorage:\n  state_dir: {tmp / 'state'}\n  persist_history: false\n")
+
+
+def _replay(path: Path, tmp: Path, *extra) -> list[str]:
+    return ["replay", str(path), "--out", str(tmp / "out"), "--fast", "--quiet", *extra]
+
+
+def _nan_wav(tmp):
+    audio = np.zeros(16000, np.float32)
+    audio[100:200] = np.nan
+    audio[300] = np.inf
+    return _wav(tmp, "nan.wav", audio)
+
+
+# (id, build(tmp) -> (argv, the file the error must name), words the line must hold)
+CASES = [
+    # config
+    ("config-deep-nesting", lambda t: (["check-config", str(p := _config(t, "model: " + DEEP + "\n"))], p),
+     "nested deeper than 32"),
+    ("config-alias-bomb", lambda t: (["check-config", str(p := _config(t, BOMB))], p), "anchors and aliases"),
+    ("config-duplicate-key", lambda t: (["check-config", str(p := _config(t, "vad:\n  threshold: 0.5\n  threshold: 0.6\n"))], p),
+     "duplicate key"),
+    ("config-huge", lambda t: (["check-config", str(p := _config(t, "# x\n" * 200_000))], p), "too large"),
+    ("config-huge-number", lambda t: (["check-config", str(p := _config(t, "vad:\n  threshold: " + "9" * 200_000 + "\n"))], p),
+     "cannot parse it (ValueError: Exceeds the limit"),
+    ("config-huge-text", lambda t: (["check-config", str(p := _config(t, "vad:\n  threshold: " + "x" * 200_000 + "\n"))], p),
+     "vad.threshold: expected a number, found 'xxx"),
+    ("config-not-utf8", lambda t: (["check-config", str(p := t / "c.yaml")], p.write_bytes(b"vad:\n  x: \xff\n") and p),
+     "not UTF-8"),
+    ("config-fifo", lambda t: (["check-config", str(p := _fifo(t, "fifo.yaml"))], p), "not a regular file"),
+    ("config-context-too-small", lambda t: (["check-config", str(p := _config(
+        t, f"model:\n  gguf: {GGUF}\n  mmproj: {MMPROJ}\n  n_ctx: 2048\n  history_budget_tokens: 1024\n"))], p),
+     "model.n_ctx: 2048 tokens cannot hold"),
+    ("config-projector-as-model", lambda t: (["check-config", str(p := _config(
+        t, f"model:\n  gguf: {MMPROJ}\n  mmproj: {MMPROJ}\n"))], p), "is an audio projector"),
+    ("config-prompt-too-long", lambda t: (["check-config", str(p := _config(
+        t, f"model:\n  gguf: {GGUF}\n  mmproj: {MMPROJ}\n  system_prompt: '{'Be brief. ' * 900}'\n"))], p),
+     "model.system_prompt:"),
+    # scenario (read before any model is loaded)
+    ("scenario-deep-nesting", lambda t: (_replay(p := _scenario(t, "events: " + DEEP + "\n"), t, "--embedded"), p),
+     "nested deeper than 32"),
+    ("scenario-alias-bomb", lambda t: (_replay(p := _scenario(t, BOMB), t, "--embedded"), p), "anchors and aliases"),
+    ("scenario-duplicate-key", lambda t: (_replay(p := _scenario(
+        t, f"events:\n  - at: 0.5\n    at: 1.0\n    say: {QUESTION}\n    text: hi\n"), t, "--embedded"), p),
+     "duplicate key"),
+    ("scenario-not-utf8", lambda t: (_replay(p := _scenario(t, b"events:\n  - say: caf\xe9.wav\n"), t, "--embedded"), p),
+     "iconv"),
+    ("scenario-fifo", lambda t: (_replay(p := _fifo(t, "s.yaml"), t, "--embedded"), p), "not a regular file"),
+    # audio
+    ("audio-nan-inf", lambda t: (_replay(p := _nan_wav(t), t, "--embedded", "--transcript", "hi"), p), "NaN or infinite"),
+    ("audio-no-speech", lambda t: (_replay(p := _wav(t, "silence.wav", np.zeros(32000, np.float32), subtype="PCM_16"),
+                                           t, "--embedded", "--transcript", "hi"), p), "no speech"),
+    ("audio-fifo", lambda t: (_replay(p := _fifo(t, "a.wav"), t, "--embedded", "--transcript", "hi"), p),
+     "not a regular file"),
+    ("audio-not-audio", lambda t: (_replay(p := t / "x.wav", t, "--embedded", "--transcript", "hi"),
+                                   p.write_text("hello") and p), "not a readable audio file"),
+    # model (the real loaders)
+    ("model-projector-as-model", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, MMPROJ, MMPROJ))), MMPROJ),
+     "is an audio projector"),
+    ("model-text-model-as-projector", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, GGUF, GGUF))), GGUF),
+     "projector"),
+    ("model-truncated-projector", lambda t: (_replay(QUESTION, t, "--config", str(_models(
+        t, GGUF, p := t / "cut-mmproj.gguf"))), p.write_bytes(MMPROJ.read_bytes()[: MMPROJ.stat().st_size // 2]) and p),
+     "projector"),
+    ("model-not-a-gguf", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, p := t / "m.gguf", MMPROJ))),
+                                    p.write_text("not a model") and p), "could not load"),
+    # stats
+    ("stats-turns-a-number", lambda t: (["stats", str(p := t / "report.json")], p.write_text(json.dumps({"turns": 5})) and p),
+     "`turns` is not a list"),
+    ("stats-turns-a-string", lambda t: (["stats", str(p := t / "report.json")], p.write_text('{"turns": "many"}') and p),
+     "`turns` is not a list"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_line_and_exit_2_quickly(tmp_path, case):
+    name, build, words = case
+    argv, named = build(tmp_path)
+    rc, stderr, seconds, rss_mb = run_cli(argv, tmp_path)
+    lines = stderr.splitlines()
+    assert rc == 2, (rc, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-2000:]
+    assert str(named) in lines[0], lines[0]
+    assert words in lines[0], lines[0]
+    assert len(lines[0]) <= 800, len(lines[0])
+    assert seconds <= LIMIT_S, f"{name}: {seconds:.1f} s"
+    assert rss_mb <= LIMIT_MB, f"{name}: {rss_mb:.0f} MB"
+
+
+def test_a_one_hour_wav_is_streamed_not_loaded(tmp_path):
+    """A replay hears at most 180 s: a one-hour 48 kHz stereo file costs no more than that (the whole file
+    as float32 would be 1.4 GB)."""
+    path = tmp_path / "hour.wav"
+    block = (np.random.default_rng(0).standard_normal((48000 * 60, 2)) * 3000).astype(np.int16)
+    with sf.SoundFile(str(path), "w", 48000, 2, subtype="PCM_16") as f:
+        for _ in range(60):
+            f.write(block)
+    code = ("import resource, sys, numpy, soundfile, soxr; from appliance.audio.files import load_audio; "
+            "peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024; base = peak(); "
+            f"a = load_audio({str(path)!r}); "
+            "print(len(a), base, peak())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    n, base_mb, peak_mb = map(int, out.stdout.split())
+    assert n == 180 * 16000
+    # 180 s of 48 kHz mono float32 is 35 MB, read in blocks, then concatenated and resampled.
+    assert peak_mb - base_mb <= 150, (base_mb, peak_mb)
