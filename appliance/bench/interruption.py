@@ -379,13 +379,17 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     mark = [None]
 
     def until() -> bool:
+        if case.kind == "next_reply":
+            # Until the reply to the interjection has ended (or there is none): idle, with no utterance still
+            # open (the end of turn may wait out a pause), for 1 s on end, as replay's end does.
+            idle = room.finished_script and session.conversation.idle.is_set() and not session.segmenter.in_speech
+            mark[0] = (mark[0] if mark[0] is not None else room.n) if idle else None
+            return idle and room.n - mark[0] >= int(1.0 * MODEL_RATE)
         if mark[0] is None:
             if not room.finished_script:
                 return False
             recs = timeline.records
-            if case.kind == "next_reply":  # until the reply to the stop word has ended (or there is none)
-                done = session.conversation.idle.is_set()
-            elif case.kind in ("echo_only", "first_reply") or wait_turn_end:
+            if case.kind in ("echo_only", "first_reply") or wait_turn_end:
                 done = any(r["event"] in ("turn_end", "flushed") for r in recs)
             else:
                 done = any(r["event"] in ("resumed", "flushed", "turn_end") for r in recs[2:]) \
