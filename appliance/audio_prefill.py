@@ -31,7 +31,7 @@ streamed turn match the whole clip's to 1e-3 of their scale (the decode's batchi
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 

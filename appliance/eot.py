@@ -104,7 +104,7 @@ class SmartTurn:
     """
 
     def __init__(self, model_path: Optional[str | Path] = None):
-        import onnxruntime as ort
+        from .vad import onnx_session
 
         path = Path(model_path) if model_path else bundled_model_path()
         if not path.is_file():
@@ -113,14 +113,7 @@ class SmartTurn:
         if model_path is None and hashlib.sha256(path.read_bytes()).hexdigest() != MODEL_SHA256:
             raise UserError(f"{path}: not the pinned Smart Turn v3.2 (SHA-256 differs); install "
                             "`pipecat-ai==1.14.0` with --no-deps, or set vad.end_of_turn: silence")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        try:
-            self._session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise UserError(f"{path}: not a loadable ONNX model ({exc.__class__.__name__}); reinstall pipecat-ai") from None
+        self._session = onnx_session(path, "reinstall pipecat-ai, or set vad.end_of_turn: silence")
         self.path = path
         self.infer_ms: list[float] = []  # per call, features included
 

@@ -36,6 +36,24 @@ def bundled_model_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "silero_vad.onnx"
 
 
+def onnx_session(path: Path, fix: str):
+    """An onnxruntime CPU session on one thread (the audio path's models run one call at a time, beside
+    llama.cpp's threads), quiet below errors.
+
+    :raises UserError: the file does not load, with ``fix`` as the remedy.
+    """
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise UserError(f"{path}: not a loadable ONNX model ({exc.__class__.__name__}); {fix}") from None
+
+
 class SileroVad:
     """One Silero VAD stream: feed 512-sample windows, get speech probabilities.
 
@@ -43,19 +61,10 @@ class SileroVad:
     """
 
     def __init__(self, model_path: Optional[str | Path] = None):
-        import onnxruntime as ort
-
         path = Path(model_path) if model_path else bundled_model_path()
         if not path.is_file():
             raise UserError(f"{path}: Silero VAD model not found; reinstall with `pip install --no-deps silero-vad`")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        try:
-            self._session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise UserError(f"{path}: not a loadable ONNX model ({exc.__class__.__name__}); reinstall silero-vad") from None
+        self._session = onnx_session(path, "reinstall silero-vad")
         self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
         self.reset()
 

@@ -3,13 +3,13 @@
 The output callback is played by this test (``playback.read``), as the sound card would.
 """
 
+import contextlib
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from appliance.conversation import State
 from appliance.pipeline import Session
 
 
@@ -54,18 +54,27 @@ class Speaker(threading.Thread):
             time.sleep(0.01)
 
 
-@pytest.fixture
-def session(fresh_parts, embedded_cfg):
-    s = Session(embedded_cfg, fresh_parts, out_rate=16000)
+@contextlib.contextmanager
+def running(cfg, parts):
+    """A started :class:`Session` on ``cfg`` with a recorder and a speaker reading its playback, listening."""
+    s = Session(cfg, parts, out_rate=16000)
     rec = Recorder()
     s.conversation.subscribe(rec)
     spk = Speaker(s.playback)
     spk.start()
     s.start()
     rec.wait_state("listening")
-    yield s, rec
-    spk.running = False
-    s.stop()
+    try:
+        yield s, rec
+    finally:
+        spk.running = False
+        s.stop()
+
+
+@pytest.fixture
+def session(fresh_parts, embedded_cfg):
+    with running(embedded_cfg, fresh_parts) as sr:
+        yield sr
 
 
 def interjection(s, text):

@@ -1,6 +1,8 @@
 """The echo canceller around Speex (pyaec) and WebRTC AEC3 (livekit), on Piper speech played through the
 simulated room's echo path (30 ms + a synthetic RT60 150 ms impulse response). Offline: no real time."""
 
+from typing import Optional
+
 import numpy as np
 import pytest
 
@@ -34,8 +36,10 @@ def fixed_speech(tts, text: str) -> np.ndarray:
     return resample(audio.astype(np.float32), tts.sample_rate, 16000)
 
 
-def through_room(far: np.ndarray, gain_db: float) -> tuple[np.ndarray, SimulatedRoom]:
-    """Play ``far`` in the simulated room (unpaced) and return the microphone signal."""
+def through_room(far: np.ndarray, gain_db: Optional[float], ir: Optional[np.ndarray] = synthetic_ir(150.0)) \
+        -> tuple[np.ndarray, SimulatedRoom]:
+    """Play ``far`` in the simulated room (unpaced; ``ir`` None: a pure delay, ``gain_db`` None: no echo
+    path) and return the microphone signal and the room (``room.output``: what was played, per block)."""
     pos = [0]
 
     def read(n):
@@ -43,8 +47,7 @@ def through_room(far: np.ndarray, gain_db: float) -> tuple[np.ndarray, Simulated
         pos[0] += n
         return np.pad(x, (0, n - len(x)))
 
-    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=gain_db, echo_delay_ms=30.0,
-                                               impulse_response=synthetic_ir(150.0))),
+    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=gain_db, echo_delay_ms=30.0, impulse_response=ir)),
                          read, lambda mic, f: None, on_event=lambda r: None, paced=False)
     for _ in range(len(far) // FRAME):
         room.tick()
@@ -278,21 +281,11 @@ def test_a_filter_left_with_no_echo_path_does_not_speak_into_the_microphone(part
 def _first_reply(far, gain_db, ir=True, **kw):
     """A fresh canceller (as after a start) meets ``far`` through the room: (Silero windows that scored 0.5
     with the onset gate open, the canceller). ``gain_db`` None: no echo path."""
-    pos = [0]
-
-    def read(n):
-        x = far[pos[0] : pos[0] + n]
-        pos[0] += n
-        return np.pad(x, (0, n - len(x)))
-
-    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=gain_db, echo_delay_ms=30.0,
-                                               impulse_response=synthetic_ir(150.0) if ir else None)),
-                         read, lambda mic, f: None, on_event=lambda r: None, paced=False)
+    mic, room = through_room(far, gain_db, synthetic_ir(150.0) if ir else None)
     ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0, **kw)
     vad, buf, opened = SileroVad(), np.zeros(0, np.float32), 0
-    for _ in range(len(far) // FRAME):
-        room.tick()
-        buf = np.concatenate([buf, ec.process(room.mic[-1], room.output[-1])])
+    for i, played in enumerate(room.output):
+        buf = np.concatenate([buf, ec.process(mic[i * FRAME : (i + 1) * FRAME], played)])
         while len(buf) >= 512:
             w, buf = buf[:512], buf[256:]
             opened += vad.probability(w) >= 0.5 and ec.near_end_present()

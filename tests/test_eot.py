@@ -2,7 +2,6 @@
 voice and espeak-ng's, and the segmenter that asks it at each pause."""
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -8,7 +8,6 @@ Unpaced (``--fast``): the VAD and the classifier decide on the audio's own time,
 import json
 
 import numpy as np
-import pytest
 
 from appliance.audio.files import MODEL_RATE, load_audio, write_wav
 from appliance.conversation import CUT_MARK

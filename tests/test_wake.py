@@ -12,12 +12,11 @@ from gpiozero.pins.mock import MockFactory, MockPWMPin
 from appliance.audio.files import MODEL_RATE, load_audio, resample, write_wav
 from appliance.config import GpioConfig
 from appliance.indicators import DIM, Indicators
-from appliance.pipeline import Session
 from appliance.replay import replay
 from appliance.wake import WakeWordDetector
 
 from conftest import DEMO
-from test_conversation import Recorder, Speaker, user_turn
+from test_conversation import running, user_turn
 
 
 def piper(parts, text):
@@ -43,16 +42,8 @@ def wake_session(fresh_parts, embedded_cfg):
     cfg = embedded_cfg.model_copy(deep=True)
     cfg.listen.mode = "wake_word"
     cfg.listen.follow_up_s = 2.0
-    s = Session(cfg, fresh_parts, out_rate=16000)
-    rec = Recorder()
-    s.conversation.subscribe(rec)
-    spk = Speaker(s.playback)
-    spk.start()
-    s.start()
-    rec.wait_state("listening")
-    yield s, rec
-    spk.running = False
-    s.stop()
+    with running(cfg, fresh_parts) as sr:
+        yield sr
 
 
 def test_only_speech_after_the_wake_word_or_in_the_window_is_answered(wake_session):

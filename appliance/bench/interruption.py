@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..audio.echo import HB_MIN_REL_DB, EchoCanceller, erle_db, from_config
-from ..audio.files import MODEL_RATE, first_above, load_audio, resample, write_wav
+from ..audio.echo import HB_MIN_REL_DB, from_config
+from ..audio.files import MODEL_RATE, load_audio, resample, write_wav
 from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
 from ..config import Config
 from ..errors import UserError

@@ -30,7 +30,7 @@ from ..audio.files import MODEL_RATE, resample
 from ..audio.room import synthetic_ir
 from ..errors import UserError
 from ..wake import PHRASES, WakeWordDetector
-from .interruption import active_dbfs, at_level, espeak
+from .interruption import at_level
 
 LICENSES = Path("/usr/share/common-licenses")
 MUSIC = Path("/usr/share/games/wesnoth/1.16/data/core/music")
