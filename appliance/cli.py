@@ -176,6 +176,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         cfg = _config(args)
         path = Path(cfg.storage.state_dir) / METRICS_FILE
         source = str(path) if path.exists() else "journal"
+    elif Path(source).is_dir():  # a replay's output directory: its metrics log
+        if not (Path(source) / METRICS_FILE).is_file():
+            raise UserError(f"{source}: is a directory without {METRICS_FILE}; give a metrics.jsonl or a replay's "
+                            "timeline.jsonl")
+        source = str(Path(source) / METRICS_FILE)
     summary = summarise(read_turns(source), args.last)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary, source))
     return 0

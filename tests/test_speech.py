@@ -135,6 +135,6 @@ def test_a_120_word_unpunctuated_reply_keeps_piper_within_100_mb_of_a_short_one(
 def test_control_characters_a_model_generates_are_not_spoken():
     """The tiny random Gemma 4 generated a NUL in a 500-turn soak: espeak raised "embedded null character"
     and the clause was lost. Control characters are dropped like markdown."""
-    assert speakable("Hello\x00 wor\x07ld\x1b.\u0085") == "Hello wor ld ."
+    assert speakable("Hello\x00 wor\x07ld\x1b.\u0085") == "Hello wor ld."  # (the ear's clean-up: no space before ".")
     tts = Tts()
     assert sum(len(c) for c in tts.synthesize("Hello\x00 world.")) > tts.sample_rate // 4

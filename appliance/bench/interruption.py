@@ -340,7 +340,7 @@ class Outcome:
 
 
 def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=None,
-             wait_turn_end: bool = False, question: Optional[np.ndarray] = None) -> Outcome:
+             wait_turn_end: bool = False, question: Optional[np.ndarray] = None, until_idle: bool = False) -> Outcome:
     """Run one scenario in real time.
 
     :param echo: the canceller to go on with (the room's, as a running service's has met the replies
@@ -348,6 +348,8 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         :attr:`Outcome.echo` afterwards.
     :param wait_turn_end: run until the reply has ended (drained or flushed) rather than one second after
         the barge-in decision.
+    :param until_idle: run until the conversation has been idle, with no utterance open, for 1 s (so the
+        interjection's own turn and its reply are in the records); always so for ``next_reply`` cases.
     """
     parts.engine.forget()
     gain = echo_gain_db(case, reply_level)
@@ -378,7 +380,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     mark = [None]
 
     def until() -> bool:
-        if case.kind == "next_reply":
+        if case.kind == "next_reply" or until_idle:
             # Until the reply to the interjection has ended (or there is none): idle, with no utterance still
             # open (the end of turn may wait out a pause), for 1 s on end, as replay's end does.
             idle = room.finished_script and session.conversation.idle.is_set() and not session.segmenter.in_speech
