@@ -252,23 +252,25 @@ class EchoCanceller:
         out_f = out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
         self.clamped += _never_louder(out_f, e_out, e_in)
-        b_in, b_out, b_far = _band_energies(near), _band_energies(out_f), _band_energies(far)
+        b_in, b_out = _band_energies(near), _band_energies(out_f)
         hb_in, hb_out = b_in[:, -1], b_out[:, -1]  # the last band is the high band (>= HB_HZ)
+        # The far end's bands only serve the cold start (band floors, hand-over): no FFT of it once warm.
+        b_far = None if self.warm else _band_energies(far)
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
             self._ratio_far.append(float(e_far[i]))
             self._hb_in.append(float(hb_in[i]))
             self._hb_out.append(float(hb_out[i]))
-            self._band_in.append(b_in[i])
             if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
                 self._lt_in.append(self._ratio_in[-1])
                 self._lt_out.append(self._ratio_out[-1])
                 self._lt_hb_in.append(self._hb_in[-1])
                 self._lt_hb_out.append(self._hb_out[-1])
-            self._band_far.append(b_far[i])
-            if self.warm:
+            if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
+            self._band_in.append(b_in[i])
+            self._band_far.append(b_far[i])
             for b in np.nonzero(b_far[i] >= FAR_BAND_ACTIVE * FRAME)[0]:
                 self._lt_band_in[b].append(float(b_in[i, b]))
                 self._lt_band_out[b].append(float(b_out[i, b]))
@@ -319,7 +321,8 @@ class EchoCanceller:
 
     def expected_residual_db(self, n: int = 512) -> Optional[float]:
         """What the canceller, as measured so far, should leave of the echo in the last ``n`` samples, relative
-        to the microphone's energy, dB: each band's expected residual (its floor, 0 dB for a band not yet
+        to the microphone's energy, dB (until the hand-over; the bands are not followed after it): each band's
+        expected residual (its floor, 0 dB for a band not yet
         shown converged, nothing for a band with no echo path; :meth:`band_floors_db`,
         :meth:`band_return_loss_db`) weighted by the microphone's energy in that band (by the far end's where
         the microphone is digitally silent). None before any frame or when neither carries any energy."""
