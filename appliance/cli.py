@@ -103,7 +103,7 @@ def cmd_say(args: argparse.Namespace) -> int:
         write_wav(args.out, audio, tts.sample_rate)
         print(f"{args.out}: {len(audio) / tts.sample_rate:.2f} s at {tts.sample_rate} Hz")
         return 0
-    from .audio.devices import play
+    from .audio.device import play
 
     play(audio, tts.sample_rate, cfg.audio.output)
     return 0
@@ -125,7 +125,7 @@ class _NameTheConfig(logging.Filter):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .audio.devices import run_service
+    from .service import run as run_service
 
     cfg = _config(args)
     for handler in logging.getLogger().handlers:
@@ -134,7 +134,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from .audio.devices import describe_devices
+    from .audio.device import describe_devices
 
     cfg, status = None, 0
     try:

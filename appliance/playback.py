@@ -1,8 +1,14 @@
-"""The playback buffer between TTS and the output callback: pause, resume, flush, fade, and the
-sample-exact account of what reached the speaker.
+"""The playback buffer between TTS and the audio port: the reply's clauses in order, and the sample-exact
+account of what was handed to the speaker (``spoken_text``, ``segments_played``).
 
-The output callback calls :meth:`Playback.read` once per block; it only copies samples under a lock that
-no model code ever holds (TTS and the state machine hold it for a list operation at most).
+It does not fade: pause, resume and flush go to the :class:`~appliance.audio.port.AudioPort`, which fades
+where the last samples before the speaker are (a pull port's fader, the sound-device worker's ring). The
+port pulls the speaker's samples with :meth:`Playback.take`, once per block, under a lock that no model
+code ever holds (TTS and the state machine hold it for a list operation at most).
+
+Accounting: a pull port (the simulated room, the null port) takes exactly what it plays, so ``played`` is
+what was heard; a sound device takes up to its ring's 2–8 blocks ahead (20–160 ms at 10 ms blocks), so
+``played`` counts those as heard a little early, and a flush drops them unheard.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .audio.port import AudioPort, NullPort
+
 
 @dataclass
 class Segment:
@@ -21,7 +29,7 @@ class Segment:
     reply_id: int
     audio: np.ndarray
     text: str
-    played: int = 0  # samples of it that reached the speaker
+    played: int = 0  # samples of it handed to the port
 
     @property
     def done(self) -> bool:
@@ -29,19 +37,21 @@ class Segment:
 
 
 class Playback:
-    """A queue of clause segments read block by block by the output callback.
+    """A queue of clause segments that the audio port pulls block by block.
 
-    :param sample_rate: the output rate, Hz.
-    :param fade_ms: length of the fade-out on pause/flush and fade-in on resume, ms (5–10 ms is inaudible
-        as a click and well within one 10 ms output block).
-    :param on_event: called as ``on_event(name, **info)`` from the output callback for ``"drained"``
-        (every segment of a finished reply has been played; ``reply_id``) and ``"silent"`` (a pause or flush
+    :param sample_rate: the playback rate, Hz (the port's pull rate).
+    :param fade_ms: the fade of the default port, ms (see ``port``).
+    :param on_event: called as ``on_event(name, **info)`` from the port's thread for ``"drained"`` (every
+        segment of a finished reply has been handed over; ``reply_id``) and ``"silent"`` (a pause or flush
         fade has reached zero). It must not block (e.g. ``queue.SimpleQueue.put``).
+    :param port: the audio port that plays this buffer; default a :class:`~appliance.audio.port.NullPort`
+        at ``sample_rate`` and ``fade_ms``, started here, whose speaker is :meth:`read`. Another port is
+        started by its owner with ``start(playback.take, capture, playback.port_silent)``; see :meth:`attach`.
     """
 
-    def __init__(self, sample_rate: int, fade_ms: float = 8.0, on_event: Optional[Callable[..., None]] = None):
+    def __init__(self, sample_rate: int, fade_ms: float = 8.0, on_event: Optional[Callable[..., None]] = None,
+                 port: Optional[AudioPort] = None):
         self.sample_rate = sample_rate
-        self.fade_samples = max(1, int(sample_rate * fade_ms / 1000.0))
         self._on_event = on_event or (lambda name, **info: None)
         self._lock = threading.Lock()
         self._queue: list[Segment] = []
@@ -49,15 +59,16 @@ class Playback:
         self._reply_id = 0
         self._ended = False
         self._paused = False
-        self._gain = 1.0  # current output gain, ramps between 0 and 1
-        self._target = 1.0
-        self._flush_after_fade = False
         self._drained_sent = False
-        self.played_total = 0  # samples of speech (non-silence) sent to the speaker since start
-        # Optional sound device with pause_output/resume_output/flush_output (DeviceAudio): its worker holds
-        # a ring of samples already read from here, so it pauses, fades and flushes there, and this buffer
-        # only keeps its place (see pause()).
-        self.device = None
+        self.played_total = 0  # samples handed to the port since start
+        if port is None:
+            port = NullPort(sample_rate, fade_ms)
+            port.start(self.take, lambda mic, far: None, self.port_silent)
+        self.port: AudioPort = port
+
+    def attach(self, port: AudioPort) -> None:
+        """Play through ``port`` from now on (its owner starts it with :meth:`take` and :meth:`port_silent`)."""
+        self.port = port
 
     # --- producer side (TTS thread, state machine) ---
     def begin_reply(self, reply_id: int) -> None:
@@ -67,7 +78,6 @@ class Playback:
             self._ended = False
             self._history = []
             self._paused = False
-            self._gain = self._target = 1.0
             self._drained_sent = False
 
     def enqueue(self, reply_id: int, audio: np.ndarray, text: str) -> bool:
@@ -91,50 +101,40 @@ class Playback:
                     self._on_event("drained", reply_id=reply_id)
 
     def pause(self) -> None:
-        """Fade to silence within ``fade_ms`` and hold the position; nothing is thrown away.
-
-        With a :attr:`device`, the device fades and holds (the samples it already has are the next to
-        play), and this buffer goes on answering the reads that were already on their way, unfaded."""
-        if self.device is not None:
-            self.device.pause_output()
+        """The port fades to silence within its fade time and holds the position; nothing is thrown away.
+        Samples the port asks for meanwhile are still answered (a device's ring keeps its place)."""
+        self.port.pause()
         with self._lock:
             self._paused = True
-            if self.device is None:
-                self._target = 0.0
 
     def resume(self) -> None:
-        """Continue exactly after the last sample played, fading in over ``fade_ms``."""
-        if self.device is not None:
-            self.device.resume_output()
+        """The port continues exactly after the last sample played, fading in."""
+        self.port.resume()
         with self._lock:
             self._paused = False
-            self._target = 1.0
             if self._ended and not self._queue and self._reply_id >= 0 and not self._drained_sent:
                 self._drained_sent = True
                 self._on_event("drained", reply_id=self._reply_id)
 
     def flush(self) -> int:
-        """Drop every queued sample of the current reply and refuse further segments of it. Fades out first
-        if audio is still audible. Returns the number of samples dropped."""
+        """Drop every queued sample of the current reply and refuse further segments of it; the port fades
+        out what it holds first. Returns the number of samples dropped (counted before the fade)."""
         with self._lock:
             dropped = sum(len(s.audio) - s.played for s in self._queue)
-            if self.device is not None:
-                self._queue.clear()
-            elif self._gain > 0.0 and self._queue:
-                self._flush_after_fade = True
-                self._target = 0.0
-            else:
-                self._queue.clear()
             self._ended = True
             self._reply_id = -1
             self._paused = False
-        if self.device is not None:
-            # After the queue is empty: the device fades out, drops what it holds, and plays on from here.
-            self.device.flush_output()
+        self.port.flush()  # a pull port takes its fade's samples from the queue now
+        with self._lock:
+            self._queue.clear()
         return dropped
 
-    def device_silent(self) -> None:
-        """The device's fade out reached silence (from its reader thread)."""
+    def configure(self, *, fade_ms: Optional[float] = None) -> None:
+        """Hand a reloaded ``interruption.fade_ms`` (ms) to the port."""
+        self.port.configure(fade_ms=fade_ms)
+
+    def port_silent(self) -> None:
+        """The port's fade out reached silence (from the port's thread)."""
         self._on_event("silent")
 
     # --- accounting ---
@@ -176,60 +176,36 @@ class Playback:
         with self._lock:
             return " ".join(s.text for s in self._history)
 
-    # --- consumer side (output callback) ---
-    def read(self, n: int) -> np.ndarray:
-        """Return the next ``n`` samples for the speaker (float32), silence when there is nothing to play."""
+    # --- consumer side (the port) ---
+    def take(self, n: int) -> np.ndarray:
+        """The port's pull: the next ``n`` samples (float32 [n] at :attr:`sample_rate`), unfaded, counted as
+        played; zeros where there is nothing to play. Emits ``drained`` after a finished reply's last sample."""
         out = np.zeros(n, dtype=np.float32)
-        events = []
+        drained = None
         with self._lock:
             pos = 0
-            while pos < n and self._queue and (self._gain > 0.0 or self._target > 0.0):
+            while pos < n and self._queue:
                 seg = self._queue[0]
-                take = min(n - pos, len(seg.audio) - seg.played)
-                chunk = seg.audio[seg.played : seg.played + take]
-                if self._gain != self._target:
-                    # Every sample consumed during a fade is heard at a non-zero gain, so a pause and
-                    # its resume neither drop nor repeat a sample.
-                    step = 1.0 / self.fade_samples
-                    if self._target < self._gain:
-                        ramp = self._gain - step * np.arange(0, take, dtype=np.float32)
-                        ended = np.nonzero(ramp <= 1e-6)[0]
-                        if len(ended):
-                            take = int(ended[0])
-                        new_gain = 0.0 if len(ended) else float(ramp[-1] - step)
-                        if new_gain <= 1e-6:
-                            new_gain = 0.0
-                    else:
-                        ramp = np.minimum(1.0, self._gain + step * np.arange(1, take + 1, dtype=np.float32))
-                        full = np.nonzero(ramp >= 1.0)[0]
-                        if len(full):
-                            take = int(full[0]) + 1
-                        new_gain = float(ramp[take - 1]) if take else self._gain
-                    chunk, ramp = chunk[:take], ramp[:take]
-                    out[pos : pos + take] = chunk * ramp
-                    self._gain = new_gain
-                else:
-                    out[pos : pos + take] = chunk
-                seg.played += take
-                pos += take
-                self.played_total += take
+                k = min(n - pos, len(seg.audio) - seg.played)
+                out[pos:pos + k] = seg.audio[seg.played:seg.played + k]
+                seg.played += k
+                pos += k
+                self.played_total += k
                 if seg.done:
                     self._queue.pop(0)
-                if self._gain == 0.0 and self._target == 0.0:
-                    events.append(("silent", {}))
-                    if self._flush_after_fade:
-                        self._queue.clear()
-                        self._flush_after_fade = False
-                    break
-            if self._flush_after_fade and (self._gain == 0.0 or not self._queue):
-                self._queue.clear()
-                self._flush_after_fade = False
-            if not self._queue and self._gain > 0.0 and self._target == 0.0:
-                self._gain = 0.0
-                events.append(("silent", {}))
             if not self._queue and self._ended and self._reply_id >= 0 and not self._paused and not self._drained_sent:
                 self._drained_sent = True
-                events.append(("drained", {"reply_id": self._reply_id}))
-        for name, info in events:
-            self._on_event(name, **info)
+                drained = self._reply_id
+        if drained is not None:
+            self._on_event("drained", reply_id=drained)
         return out
+
+    def read(self, n: int) -> np.ndarray:
+        """The speaker's side of a pull port (the default :class:`NullPort`, a ``RoomPort``): the next ``n``
+        faded samples, float32 [n]. :raises AttributeError: the port is a sound device (it pulls :meth:`take`)."""
+        return self.port.read(n)  # type: ignore[attr-defined]
+
+    @property
+    def fade_samples(self) -> int:
+        """The port's fade length, samples (pull ports); read-only: change it with :meth:`configure`."""
+        return self.port.fade_samples  # type: ignore[attr-defined]

@@ -100,7 +100,7 @@ class Service:
 
     def __init__(self, cfg: Config, parts, pin_factory=None, indicators=None, timeline=None):
         from . import indicators as ind
-        from .audio.devices import DeviceAudio
+        from .audio.port import open_port
         from .pipeline import Session
 
         self.cfg = cfg
@@ -121,14 +121,10 @@ class Service:
         from .metrics import METRICS_FILE, TurnMetrics
 
         conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE, keep=0))  # one journal line per turn
-        self.audio = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, PLAYBACK_RATE,
-                                 self.session.playback.read, self.session.listener.capture, self._on_audio,
-                                 backoff=(0.5, cfg.audio.retry_max_s))
+        self.audio = open_port(cfg, PLAYBACK_RATE, "device", on_status=self._on_audio)
         conv.turn_stats = self.audio.stats
         # Pause and flush at the device: its worker's ring (2-8 output blocks) must not play after a barge-in.
-        self.audio.fade_ms = cfg.interruption.fade_ms
-        self.audio.on_silent = self.session.playback.device_silent
-        self.session.playback.device = self.audio
+        self.session.playback.attach(self.audio)
         self.status = "starting"
         self.ready_posted = False
         self.reloads: list[dict] = []
@@ -169,7 +165,8 @@ class Service:
     # --- life cycle ---
     def start(self) -> None:
         self.session.conversation.start()
-        self.audio.start()
+        pb = self.session.playback
+        self.audio.start(pb.take, self.session.listener.capture, pb.port_silent)
 
     def stop(self) -> None:
         self.audio.stop()
@@ -274,7 +271,7 @@ class Service:
         if new.interruption != old.interruption:
             # Plain attribute swaps: the conversation and listener threads read them at their next event.
             s.conversation.turn_taker = prepared["turn_taker"]
-            s.playback.fade_samples = max(1, int(s.playback.sample_rate * new.interruption.fade_ms / 1000.0))
+            self.audio.configure(fade_ms=new.interruption.fade_ms)  # reaches the audio worker
             changed.append("interruption")
         if (new.interruption, new.listen, new.vad) != (old.interruption, old.listen, old.vad):
             s.conversation.configure(stop_words_only_silence=new.interruption.stop_words_only_silence,

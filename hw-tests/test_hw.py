@@ -26,7 +26,7 @@ def _write(name: str, data: dict) -> None:
 def test_audio_loopback_latency_and_level():
     """Play a 1 kHz tone burst on the configured speaker and record it on the configured microphone
     (put the mic near the speaker, or loop the card's output to its input)."""
-    from appliance.audio.devices import DeviceAudio
+    from appliance.audio.device import DeviceAudio
     from appliance.audio.files import dbfs
 
     cfg = load(CFG)
@@ -46,9 +46,8 @@ def test_audio_loopback_latency_and_level():
             sent["n"] += n
         return out
 
-    dev = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate, read,
-                      lambda m, f: mic.append(m))
-    dev.start()
+    dev = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate)
+    dev.start(read, lambda m, f: mic.append(m))
     try:
         assert dev.wait_open(15), dev.last_error
         time.sleep(3.0)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jack_dummy as jd
-from appliance.audio.devices import DeviceAudio, DeviceNotFound, match_device
+from appliance.audio.device import DeviceAudio, DeviceNotFound, match_device
 from appliance.audio.files import dbfs
 
 FIX = Path(__file__).parent / "fixtures" / "tiny_gemma4"
@@ -66,9 +66,8 @@ def test_streams_open_by_name_carry_audio_both_ways(user):
         return out
 
     mic, far, events = [], [], []
-    dev = DeviceAudio("user", "user", 10, 48000, read, lambda m, f: (mic.append(m), far.append(f)),
-                      lambda k, i: events.append((k, i)))
-    dev.start()
+    dev = DeviceAudio("user", "user", 10, 48000, lambda k, i: events.append((k, i)))
+    dev.start(read, lambda m, f: (mic.append(m), far.append(f)))
     try:
         assert dev.wait_open(15), events
         info = dev.info
@@ -99,15 +98,12 @@ def _reply_through_device(audio):
     resume and flush at the device as the service wires it. Returns (playback, device, silent event)."""
     from appliance.playback import Playback
 
-    pb = Playback(16000, fade_ms=8.0)
+    dev = DeviceAudio(None, "user", 10, 16000, fade_ms=8.0)
+    silent = threading.Event()
+    pb = Playback(16000, port=dev, on_event=lambda name, **i: silent.set() if name == "silent" else None)
     pb.begin_reply(1)
     pb.enqueue(1, audio, "a reply")
-    dev = DeviceAudio(None, "user", 10, 16000, pb.read, lambda m, f: None)
-    dev.fade_ms = 8.0
-    silent = threading.Event()
-    dev.on_silent = silent.set
-    pb.device = dev
-    dev.start()
+    dev.start(pb.take, lambda m, f: None, pb.port_silent)
     return pb, dev, silent
 
 
@@ -184,9 +180,8 @@ def test_flush_after_a_pause_drops_what_the_device_held(user):
 @needs_jack
 def test_missing_device_names_found_devices_and_keeps_retrying():
     events = []
-    dev = DeviceAudio("ReSpeaker", "system", 10, 48000, lambda n: np.zeros(n, np.float32), lambda m, f: None,
-                      lambda k, i: events.append((k, i)), backoff=(0.2, 0.4))
-    dev.start()
+    dev = DeviceAudio("ReSpeaker", "system", 10, 48000, lambda k, i: events.append((k, i)), backoff=(0.2, 0.4))
+    dev.start(lambda n: np.zeros(n, np.float32), lambda m, f: None)
     try:
         assert jd.wait_for(lambda: len(events) >= 3, 20)
     finally:
@@ -303,3 +298,47 @@ def test_device_disappears_and_returns_without_losing_the_conversation(hearing_p
         user.close()
         if not jd.server_up():
             jd.start_server()
+
+
+def _fade_heard(user, pb, seconds=0.6):
+    """Pause the playing constant-level reply and count the samples the ear hears part-faded (between 1 %
+    and 99 % of the level): the fade out's length at the device, samples at 16 kHz."""
+    mark = len(user.heard())
+    pb.pause()
+    time.sleep(seconds)
+    after = np.abs(user.heard()[mark:])
+    return int(np.count_nonzero((after > 0.01 * 0.3) & (after < 0.99 * 0.3))), after
+
+
+@needs_jack
+def test_a_reload_of_fade_ms_reaches_the_audio_worker(hearing_parts, tmp_path, user):
+    """``interruption.fade_ms`` reloaded while the service runs on real streams: the next pause fades over
+    the new time at the device. (Before the audio port, the reload set only the playback buffer's own
+    fade, which a device does not use, and the worker kept the 8 ms it started with.)"""
+    import yaml
+
+    svc, records = _service(hearing_parts, tmp_path)
+    svc.start()
+    pb = svc.session.playback
+    try:
+        assert jd.wait_for(lambda: svc.session.conversation.state.value == "listening", 20), records[-5:]
+        pb.begin_reply(10_000)  # a reply of the buffer's own, not the conversation's: a constant level
+        pb.enqueue(10_000, np.full(20 * 48000, 0.3, np.float32), "a long constant tone")
+        assert jd.wait_for(lambda: np.count_nonzero(user.heard()) > 8000, 15)
+        before, _ = _fade_heard(user, pb)
+        pb.resume()
+        time.sleep(0.5)
+        data = svc.cfg.model_dump(mode="json")
+        data["interruption"]["fade_ms"] = 40.0
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(data))
+        assert svc.reload(path), svc.reloads
+        assert svc.reloads[-1]["changed"] == ["interruption"]
+        after, heard = _fade_heard(user, pb)
+        pb.flush()
+    finally:
+        svc.stop()
+    print(f"measured here: fade out heard {before} samples at 8 ms, {after} after a reload to 40 ms (16 kHz)")
+    assert 100 <= before <= 135  # 8 ms = 128 samples at the device's 16 kHz
+    assert 600 <= after <= 650, after  # 40 ms = 640 samples
+    assert np.all(heard[-1600:] == 0)  # and the pause held

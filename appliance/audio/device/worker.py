@@ -1,0 +1,239 @@
+"""The audio worker process: PortAudio lives only here (``python -m appliance.audio.device.worker FD PARAMS``).
+
+It opens the two streams by name, shuttles blocks over the socket (:mod:`.protocol`), plays the output
+from a :class:`~appliance.audio.fader.Fader` ring, watches for a device that stops calling back, and exits
+hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead device.
+
+- input callback: copy the block and send it without blocking; a full socket drops the block, and an
+  empty ``INPUT`` flagged ``DROPPED`` says so.
+- output callback: read ``frames`` samples from the ring (silence, flagged ``LATE``, when it ran dry while
+  playing), then ask for as many samples as keep the ring at its target: 2 blocks to start, one more after
+  each late block, up to 8.
+- ``PAUSE``/``RESUME``/``FLUSH``: the ring's fader fades out over ``fade_ms`` of what it holds and keeps
+  the rest (pause) or drops it (flush), and fades back in on resume; ``SILENT`` says a fade out reached
+  silence. ``CONFIGURE`` changes ``fade_ms`` while running (a config reload).
+
+PARAMS (JSON): ``input`` (name substring or null), ``output``, ``block_ms``, ``fade_ms`` (default 8),
+``stall_s`` (default 1.0: no callback for this long is a lost device), ``grace_s`` (default 3.0: the first
+callback must come within this long of opening). Exit codes: 0 asked to quit or the service went away,
+3 device not found, 4 could not open, 5 device lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+from ..fader import FadeState, Fader, fade_samples
+from . import protocol as p
+from .listing import DeviceNotFound, default_devices, import_sounddevice, match_device, probe_format, query_devices
+
+RING_MIN_BLOCKS, RING_MAX_BLOCKS = 2, 8
+
+
+class OutputRing:
+    """The worker's output side: the fader ring, the request accounting and the flush generation.
+
+    All methods run under :attr:`lock` (the output callback and the control loop share it).
+
+    :param block: the output block, samples at the device's rate.
+    :param fade_n: the fade, samples at the device's rate.
+    """
+
+    def __init__(self, block: int, fade_n: int):
+        self.lock = threading.Lock()
+        self.fader = Fader(fade_n)
+        self.block = block
+        self.target = RING_MIN_BLOCKS * block  # samples the ring should hold
+        self.requested = 0  # samples asked for and not yet received
+        self.generation = 0  # +1 per flush: DATA of an older generation is stale
+        self.callbacks = 0
+
+    def prime(self) -> int:
+        """The first request, before the streams start: the whole target."""
+        self.requested = self.target
+        return self.target
+
+    def fill(self, out, frames: int) -> tuple[int, int, bool]:
+        """One output callback's work: write ``frames`` samples into ``out`` (float32 [frames]).
+
+        :returns: (samples to request, extra flags (``LATE``), whether a fade out reached silence).
+        """
+        self.callbacks += 1
+        flags = 0
+        _, res = self.fader.read(frames, out)
+        if res.short and self.callbacks > 1:
+            flags |= p.Flag.LATE
+            self.target = min(RING_MAX_BLOCKS * self.block, self.target + self.block)
+        want = 0
+        if self.fader.state is FadeState.PLAYING:
+            want = max(0, self.target - self.fader.queued - self.requested)
+            self.requested += want
+        return want, flags, res.silent
+
+    def unrequest(self, want: int) -> None:
+        """A request that could not be sent."""
+        self.requested = max(0, self.requested - want)
+
+    def receive(self, generation: int, data) -> None:
+        """``DATA`` from the service: kept unless it answers a request made before the last flush."""
+        if generation != self.generation:
+            return
+        self.requested = max(0, self.requested - len(data))
+        self.fader.push(data)
+
+    def control(self, kind: p.Kind) -> None:
+        if kind is p.Kind.PAUSE:
+            self.fader.pause()
+        elif kind is p.Kind.RESUME:
+            self.fader.resume()
+        elif kind is p.Kind.FLUSH:
+            self.fader.flush()
+            self.generation += 1  # what is on its way belongs to the flushed reply
+            self.requested = 0
+
+
+def run(fd: int, params: dict) -> int:
+    """The child's main: never returns normally (exits with ``os._exit``)."""
+    ctl = socket.socket(fileno=fd)
+    ctl.settimeout(0.2)
+    rt = socket.socket(fileno=os.dup(fd))
+    rt.setblocking(False)
+
+    def send_json(kind: p.Kind, obj: dict) -> None:
+        try:
+            ctl.sendall(p.pack_json(kind, obj))
+        except OSError:
+            pass
+
+    try:
+        sd = import_sounddevice()
+        devices = query_devices(sd)
+        d_in, d_out = default_devices(sd)
+        dout = match_device(devices, params["output"], "output", d_out)
+        out_rate, out_ch = probe_format(sd, dout, "output")
+        din = None
+        in_rate, in_ch = out_rate, 1
+        if params.get("input") is not None:
+            din = match_device(devices, params["input"], "input", d_in)
+            in_rate, in_ch = probe_format(sd, din, "input")
+    except DeviceNotFound as exc:
+        send_json(p.Kind.ERROR, {"kind": "not_found", "message": str(exc), "found": exc.found})
+        os._exit(3)
+    except Exception as exc:
+        send_json(p.Kind.ERROR, {"kind": "open_failed", "message": f"{exc.__class__.__name__}: {exc}"})
+        os._exit(4)
+
+    block_ms = float(params["block_ms"])
+    in_block = max(16, int(round(in_rate * block_ms / 1000.0)))
+    out_block = max(16, int(round(out_rate * block_ms / 1000.0)))
+    ring = OutputRing(out_block, fade_samples(out_rate, float(params.get("fade_ms", 8.0))))
+    last_cb = [0.0]
+
+    def on_input(indata, frames, time_info, status):
+        last_cb[0] = time.monotonic()
+        try:
+            rt.send(p.pack_input(getattr(status, "_flags", 0), indata.tobytes()))
+        except (BlockingIOError, OSError):
+            try:
+                rt.send(p.pack_input(p.Flag.DROPPED))
+            except OSError:
+                pass
+
+    def on_output(outdata, frames, time_info, status):
+        last_cb[0] = time.monotonic()
+        flags = getattr(status, "_flags", 0)  # sounddevice.CallbackFlags keeps the PortAudio bits here
+        with ring.lock:
+            want, more, silent = ring.fill(outdata[:, 0], frames)  # a view: the fader writes the card's buffer
+            gen = ring.generation
+        flags |= more
+        if outdata.shape[1] > 1:
+            outdata[:, 1:] = outdata[:, :1]
+        if want > 0 or flags:
+            try:
+                rt.send(p.pack_request(want, flags, gen))
+            except OSError:
+                with ring.lock:
+                    ring.unrequest(want)
+        if silent:
+            try:
+                rt.send(p.Kind.SILENT.value)
+            except OSError:
+                pass
+
+    try:
+        istream = None
+        if din is not None:
+            istream = sd.InputStream(device=din["index"], samplerate=in_rate, channels=in_ch, dtype="float32",
+                                     blocksize=in_block, latency="low", callback=on_input)
+        ostream = sd.OutputStream(device=dout["index"], samplerate=out_rate, channels=out_ch, dtype="float32",
+                                  blocksize=out_block, latency="low", callback=on_output)
+        with ring.lock:  # prime the ring before the first callback asks
+            ctl.sendall(p.pack_request(ring.prime(), 0, ring.generation))
+        if istream is not None:
+            istream.start()
+        ostream.start()
+    except Exception as exc:
+        send_json(p.Kind.ERROR, {"kind": "open_failed", "message": f"{exc.__class__.__name__}: {exc}"})
+        os._exit(4)
+
+    def ms(latency) -> Optional[float]:
+        # PortAudio's JACK host API computes latency from a deprecated call and can return garbage.
+        v = float(latency)
+        return round(v * 1000.0, 2) if 0.0 <= v < 5.0 else None
+
+    send_json(p.Kind.READY, {"input": din["name"] if din else None, "output": dout["name"],
+                             "hostapi": dout["hostapi"], "in_rate": in_rate, "out_rate": out_rate,
+                             "in_channels": in_ch, "out_channels": out_ch, "in_block": in_block,
+                             "out_block": out_block, "input_latency_ms": ms(istream.latency) if istream else None,
+                             "output_latency_ms": ms(ostream.latency)})
+    started = time.monotonic()
+    stall_s = float(params.get("stall_s", 1.0))
+    grace_s = float(params.get("grace_s", 3.0))
+    while True:
+        try:
+            msg = ctl.recv(p.MAX_MSG)
+        except socket.timeout:
+            msg = None
+        except OSError:
+            os._exit(0)
+        if msg is not None:
+            kind = p.kind_of(msg)
+            if kind is None or kind is p.Kind.QUIT:
+                os._exit(0)  # the service went away or asked us to stop
+            if kind in (p.Kind.PAUSE, p.Kind.RESUME, p.Kind.FLUSH):
+                with ring.lock:
+                    ring.control(kind)
+            elif kind is p.Kind.DATA:
+                gen, data = p.unpack_data(msg)
+                with ring.lock:
+                    ring.receive(gen, data)
+            elif kind is p.Kind.CONFIGURE:
+                fade_ms = p.unpack_json(msg).get("fade_ms")
+                if fade_ms is not None:
+                    with ring.lock:
+                        ring.fader.set_fade(fade_samples(out_rate, float(fade_ms)))
+        now = time.monotonic()
+        last = last_cb[0]
+        reason = None
+        if not ostream.active or (istream is not None and not istream.active):
+            reason = "the sound device stopped (stream no longer active)"
+        elif last == 0.0 and now - started > grace_s:
+            reason = f"the sound device gave no audio callback within {grace_s:.1f} s of opening"
+        elif last and now - last > stall_s:
+            reason = f"the sound device stopped calling back ({now - last:.1f} s without audio)"
+        if reason:
+            send_json(p.Kind.LOST, {"reason": reason})
+            os._exit(5)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3:
+        sys.exit(run(int(sys.argv[1]), json.loads(sys.argv[2])))
+    print("usage: python -m appliance.audio.device.worker FD PARAMS_JSON", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,208 @@
+"""The audio backend as one interface: :class:`AudioPort`, and the ports that are not sound cards.
+
+A port is where the appliance meets the air. It pulls the speaker's samples from the playback buffer,
+delivers microphone blocks (with the far end that was played meanwhile) to the capture side, and pauses,
+resumes and flushes the output with a fade (:class:`appliance.audio.fader.Fader`) at the place that holds
+the last samples before the speaker. Three kinds implement it, chosen by :func:`open_port` or passed in,
+as gpiozero's pin factories sit behind one ``Factory``; nothing looks for a device with ``if … is None``:
+
+- :class:`appliance.audio.device.DeviceAudio`: real sound cards through PortAudio, in a worker process
+  (the fader runs in the worker, on its output ring);
+- :class:`RoomPort`: the simulated room of ``appliance replay``, the tests and the benchmarks
+  (:class:`appliance.audio.room.SimulatedRoom`), paced on the wall clock or not;
+- :class:`NullPort`: no room and no card; whoever calls :meth:`PullPort.read` is the speaker (tests).
+
+Units: the pull rate is the playback buffer's rate (Hz, ``rate``); capture blocks are float32 mono 16 kHz
+(:data:`appliance.audio.files.MODEL_RATE`); the far end is float32 mono 16 kHz, possibly empty.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import Callable, Optional
+
+import numpy as np
+
+from .fader import Fader, fade_samples
+
+Pull = Callable[[int], np.ndarray]  # pull(n) -> float32 [n] at the port's rate (Playback.take)
+Capture = Callable[[np.ndarray, np.ndarray], None]  # capture(mic, far_end), both float32 mono 16 kHz
+OnSilent = Callable[[], None]  # a fade out (pause, flush) reached silence; must not block
+
+
+class AudioPort(ABC):
+    """The speaker and the microphone, whatever they are.
+
+    Life cycle: construct (nothing runs), :meth:`start` (threads or processes start; never blocks on a
+    device), then the controls from any thread, then :meth:`stop`. The controls never block and are
+    no-ops while nothing is open.
+    """
+
+    rate: int  # the pull rate, Hz (the playback buffer's rate)
+
+    @abstractmethod
+    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
+        """Begin: ``pull(n)`` is asked for the speaker's next ``n`` samples (float32, at :attr:`rate`),
+        ``capture(mic, far_end)`` gets each microphone block, ``on_silent()`` is told when a pause's or a
+        flush's fade out has reached silence. Callbacks come from the port's own threads and must not block."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Fade out within the fade time and hold what has not played yet (nothing is dropped)."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Fade back in where the pause stopped: no sample dropped or repeated."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Fade out and drop what the port holds of the current output (an interrupted reply)."""
+
+    @abstractmethod
+    def configure(self, *, fade_ms: Optional[float] = None) -> None:
+        """Change settings while running: ``fade_ms`` is the fade out and fade in, ms (the next fade)."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Since the previous call: ``{"xruns": int, "xruns_by_kind": {kind: int}, "output_latency_ms":
+        float | None}`` (merged into each turn's metrics)."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop and release everything; the port cannot be started again."""
+
+
+class PullPort(AudioPort):
+    """A port whose speaker pulls: each :meth:`read` takes from the playback buffer exactly the samples it
+    plays (through a :class:`Fader`), so the buffer's count of played samples is what was heard.
+
+    :param rate: the pull rate, Hz.
+    :param fade_ms: the fade on pause, resume and flush, ms (``interruption.fade_ms``).
+    """
+
+    def __init__(self, rate: int, fade_ms: float = 8.0):
+        self.rate = int(rate)
+        self._fader = Fader(fade_samples(self.rate, fade_ms))
+        self._lock = threading.Lock()
+        self._pull: Pull = lambda n: np.zeros(n, dtype=np.float32)
+        self._capture: Capture = lambda mic, far: None
+        self._on_silent: OnSilent = lambda: None
+
+    @property
+    def fade_samples(self) -> int:
+        """The fade's length, samples at :attr:`rate`."""
+        return self._fader.fade_samples
+
+    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
+        self._pull, self._capture = pull, capture
+        self._on_silent = on_silent or (lambda: None)
+
+    def read(self, n: int) -> np.ndarray:
+        """The speaker's next ``n`` samples (float32 [n] at :attr:`rate`): pulled, faded, zero-padded."""
+        with self._lock:
+            need = self._fader.want(n) - self._fader.queued
+            if need > 0:
+                self._fader.push(np.asarray(self._pull(need), dtype=np.float32)[:need])
+            out, res = self._fader.read(n)
+        if res.silent:
+            self._on_silent()
+        return out
+
+    def pause(self) -> None:
+        with self._lock:
+            self._fader.pause()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._fader.resume()
+
+    def flush(self) -> None:
+        """Fade out what the playback buffer still has (fetched now, before it drops it), then drop."""
+        with self._lock:
+            self._fader.flush()
+            need = self._fader.fade_need()
+            if need:
+                self._fader.push(np.asarray(self._pull(need), dtype=np.float32)[:need])
+
+    def configure(self, *, fade_ms: Optional[float] = None) -> None:
+        if fade_ms is not None:
+            with self._lock:
+                self._fader.set_fade(fade_samples(self.rate, fade_ms))
+
+    def stats(self) -> dict:
+        return {"xruns": 0, "xruns_by_kind": {}, "output_latency_ms": 0.0}
+
+    def stop(self) -> None:
+        pass
+
+
+class NullPort(PullPort):
+    """No card and no room: the test calls :meth:`read` as the speaker would, and :meth:`hear` to hand
+    the capture side a microphone block."""
+
+    def hear(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
+        """Deliver ``mic`` (float32 mono 16 kHz) and ``far_end`` (default: empty) to ``capture``."""
+        self._capture(np.asarray(mic, dtype=np.float32),
+                      np.zeros(0, np.float32) if far_end is None else np.asarray(far_end, np.float32))
+
+
+class RoomPort(PullPort):
+    """The simulated room as a port: its speaker reads through this port's fader.
+
+    :param scenario: :class:`appliance.audio.room.Scenario`, what the user says and the room's acoustics.
+    :param on_event: ``on_event(record)`` for the room's ground truth (``user_speech``).
+    :param paced: run on the wall clock (True) or as fast as the pipeline allows.
+    :param rate: the pull rate, Hz (the room runs at 16 kHz).
+
+    :attr:`room` (the :class:`~appliance.audio.room.SimulatedRoom`) exists after :meth:`start`; drive it
+    with :meth:`run`.
+    """
+
+    def __init__(self, scenario, on_event: Callable[[dict], None], paced: bool = True, rate: int = 16000,
+                 fade_ms: float = 8.0):
+        super().__init__(rate, fade_ms)
+        self.scenario = scenario
+        self._on_event = on_event
+        self.paced = paced
+        self.room = None
+
+    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
+        from .room import SimulatedRoom
+
+        super().start(pull, capture, on_silent)
+        self.room = SimulatedRoom(self.scenario, self.read, capture, on_event=self._on_event, paced=self.paced,
+                                  rate=self.rate)
+
+    def run(self, until: Callable[[], bool], max_seconds: float) -> None:
+        """Play the scenario (see :meth:`SimulatedRoom.run`); :meth:`start` first."""
+        if self.room is None:
+            raise RuntimeError("RoomPort.run before start")
+        self.room.run(until, max_seconds)
+
+    def stop(self) -> None:
+        if self.room is not None:
+            self.room.stop()
+
+
+def open_port(cfg, rate: int, kind: str = "device", *, on_status=None, scenario=None, on_event=None,
+              paced: bool = True) -> AudioPort:
+    """The port for ``kind``, configured from ``cfg`` (a :class:`appliance.config.Config`).
+
+    :param rate: the pull rate, Hz (the playback buffer's).
+    :param kind: ``"device"`` (``cfg.audio.input``/``output``, ``output_block_ms``, ``retry_max_s``;
+        ``on_status(kind, info)`` as :class:`~appliance.audio.device.DeviceAudio` documents), ``"room"``
+        (``scenario``, ``on_event``, ``paced``) or ``"null"``.
+    :raises ValueError: an unknown ``kind``.
+    """
+    fade_ms = cfg.interruption.fade_ms
+    if kind == "device":
+        from .device import DeviceAudio
+
+        return DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate, on_status=on_status,
+                           backoff=(0.5, cfg.audio.retry_max_s), fade_ms=fade_ms)
+    if kind == "room":
+        return RoomPort(scenario, on_event or (lambda record: None), paced=paced, rate=rate, fade_ms=fade_ms)
+    if kind == "null":
+        return NullPort(rate, fade_ms)
+    raise ValueError(f"unknown audio port kind {kind!r}; use device, room or null")

@@ -1,0 +1,117 @@
+"""The audio port interface (audio/port.py) and the device worker's message protocol: the pull ports fade
+through the shared fader and take from the playback buffer exactly what they play; the protocol's
+messages round-trip; a stale answer from before a flush never reaches the worker's ring."""
+
+import numpy as np
+import pytest
+
+from appliance.audio.device import protocol as p
+from appliance.audio.device.worker import OutputRing
+from appliance.audio.fader import FadeState
+from appliance.audio.port import AudioPort, NullPort, RoomPort, open_port
+from appliance.audio.room import RoomSpec, Scenario
+from appliance.config import Config
+from appliance.playback import Playback
+
+
+def test_open_port_chooses_by_kind_and_every_port_is_an_audio_port():
+    cfg = Config()
+    cfg.interruption.fade_ms = 10.0
+    null = open_port(cfg, 16000, "null")
+    room = open_port(cfg, 16000, "room", scenario=Scenario([], RoomSpec()), paced=False)
+    dev = open_port(cfg, 48000, "device")  # constructed only: nothing opens before start()
+    assert isinstance(null, NullPort) and isinstance(room, RoomPort)
+    assert all(isinstance(x, AudioPort) for x in (null, room, dev))
+    assert null.fade_samples == 160 and dev.fade_ms == 10.0 and dev.state == "closed"
+    with pytest.raises(ValueError, match="unknown audio port kind"):
+        open_port(cfg, 16000, "alsa")
+
+
+def test_a_pull_port_pulls_only_what_it_plays_so_the_account_is_exact():
+    events = []
+    pb = Playback(16000, fade_ms=8.0, on_event=lambda name, **i: events.append(name))
+    pb.begin_reply(1)
+    pb.enqueue(1, np.full(16000, 0.5, np.float32), "one two three four")
+    for _ in range(10):
+        pb.read(160)
+    pb.pause()
+    pb.read(160)
+    assert "silent" in events
+    assert pb.played_total == 1600 + 128  # the pause's fade was heard; nothing more was taken
+    for _ in range(5):
+        assert not pb.read(160).any()
+    assert pb.played_total == 1728
+    pb.resume()
+    pb.read(160)
+    assert pb.played_total == 1888
+
+
+def test_a_pull_port_flush_fades_what_the_buffer_had_and_configure_changes_the_fade():
+    pb = Playback(16000, fade_ms=8.0)
+    pb.configure(fade_ms=20.0)
+    assert pb.fade_samples == 320
+    pb.begin_reply(1)
+    pb.enqueue(1, np.full(16000, 0.5, np.float32), "x")
+    pb.read(160)
+    dropped = pb.flush()
+    assert dropped == 16000 - 160
+    out = np.concatenate([pb.read(160) for _ in range(4)])
+    assert np.count_nonzero(out) == 320 and pb.pending_samples == 0
+    with pytest.raises(AttributeError):
+        pb.fade_samples = 5  # a reload goes through configure(), never by assignment
+
+
+def test_room_port_plays_the_room_through_the_fader():
+    pb = Playback(16000)
+    port = RoomPort(Scenario([], RoomSpec(echo_gain_db=-6.0, echo_delay_ms=0.0)), lambda r: None, paced=False)
+    pb.attach(port)
+    mics = []
+    port.start(pb.take, lambda mic, far: mics.append((mic, far)), pb.port_silent)
+    pb.begin_reply(1)
+    pb.enqueue(1, np.full(3200, 0.5, np.float32), "x")
+    port.run(lambda: len(mics) >= 5, 1.0)
+    pb.pause()
+    port.run(lambda: len(mics) >= 10, 1.0)
+    out = port.room.output_audio()
+    assert np.all(out[:800] == 0.5) and np.count_nonzero(out) == 800 + 128
+    assert abs(float(np.max(mics[2][0])) - 0.5 * 10 ** (-6 / 20)) < 1e-4  # its echo reached the microphone
+    assert pb.played_total == 928
+
+
+def test_protocol_messages_round_trip():
+    flags, raw = p.unpack_input(p.pack_input(p.Flag.INPUT_OVERFLOW, np.ones(4, np.float32).tobytes()))
+    assert flags == p.Flag.INPUT_OVERFLOW and raw.tolist() == [1.0] * 4
+    assert p.unpack_request(p.pack_request(320, p.Flag.LATE, 7)) == (320, p.Flag.LATE, 7)
+    gen, data = p.unpack_data(p.pack_data(3, np.arange(3, dtype=np.float32)))
+    assert gen == 3 and data.tolist() == [0.0, 1.0, 2.0]
+    assert p.unpack_json(p.pack_json(p.Kind.CONFIGURE, {"fade_ms": 12.0})) == {"fade_ms": 12.0}
+    assert p.kind_of(b"") is None and p.kind_of(b"?") is None and p.kind_of(b"S") is p.Kind.SILENT
+    assert {key for _, key in p.FLAG_KEYS} == set(p.XRUN_KEYS)
+
+
+def test_worker_ring_drops_data_that_answers_a_request_from_before_a_flush():
+    ring = OutputRing(block=160, fade_n=128)
+    assert ring.prime() == 320
+    ring.receive(0, np.full(320, 0.5, np.float32))
+    out = np.zeros(160, np.float32)
+    want, flags, silent = ring.fill(out, 160)
+    assert np.all(out == 0.5) and want == 160 and not silent
+    stale_gen = ring.generation
+    ring.control(p.Kind.FLUSH)
+    ring.receive(stale_gen, np.full(160, 0.9, np.float32))  # on its way when the flush came
+    assert ring.fader.queued == 160
+    want, flags, silent = ring.fill(out, 160)
+    assert silent and np.count_nonzero(out) == 128 and ring.fader.queued == 0
+    assert ring.fader.state is FadeState.PLAYING and want == 320  # asks afresh, in the new generation
+    ring.receive(ring.generation, np.full(320, 0.25, np.float32))
+    ring.fill(out, 160)
+    assert np.all(out == 0.25)
+
+
+def test_worker_ring_flags_late_and_grows_its_target():
+    ring = OutputRing(block=160, fade_n=128)
+    ring.prime()
+    out = np.zeros(160, np.float32)
+    ring.fill(out, 160)  # the first callback may find the ring empty: not late
+    want, flags, _ = ring.fill(out, 160)
+    assert flags & p.Flag.LATE and ring.target == 480
