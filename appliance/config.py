@@ -437,7 +437,7 @@ def context_needed(m: ModelConfig) -> int:
 def _gguf_architecture(path: Path) -> Optional[str]:
     """``general.architecture`` of a GGUF header, or None if the file is absent or unreadable (the path
     checks belong to ``appliance doctor``: an image may be built without its models)."""
-    from .doctor import read_gguf
+    from .gguf import read_gguf
 
     try:
         if not path.is_file():

@@ -8,7 +8,7 @@ real-time factor); Silero VAD (loads, ms per 32 ms window); the GPIO pins (free)
 history under ``storage.state_dir``; the clock (not before 2025, NTP synchronisation); the service.
 
 Nothing here loads the LLM itself (seconds, and gigabytes of RAM on the device): the GGUF header is
-read with ggml's own parser (``gguf_init_from_file`` in the ``libggml-base`` that llama-cpp-python ships).
+read with ggml's own parser (:mod:`appliance.gguf`).
 The whole run takes a few seconds (the capture is 1 s).
 
 Status per check: ``pass``, ``warn`` (works, but look), ``fail`` (the appliance will not work; the row
@@ -17,26 +17,25 @@ says the fix), ``skip`` (not applicable: e.g. GPIO disabled). Exit status 2 if a
 
 from __future__ import annotations
 
-import ctypes
 import datetime as _dt
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load
 from .errors import UserError
+from .gguf import KV_KEYS as _KV_KEYS
+from .gguf import GgufInfo, kv_cache_bytes, read_gguf  # noqa: F401  (read_gguf: also for config and engine)
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
@@ -48,7 +47,6 @@ RUNTIME_ALLOWANCE = 512 * 2**20
 OS_RESERVE = 256 * 2**20  # left for the OS, sshd and journald
 # Bytes per KV cache element: ggml block layouts (ggml-common.h): q8_0 = 32 int8 + fp16 scale = 34 B
 # per 32, q4_0 = 16 B of nibbles + fp16 scale = 18 B per 32.
-KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 VAD_WINDOW_MS = 32.0  # 512 samples at 16 kHz: the real-time budget of one Silero window
 CLOCK_FLOOR = _dt.datetime(2025, 1, 1, tzinfo=_dt.timezone.utc)  # older means the clock was never set
 DISK_FAIL = 64 * 2**20
@@ -66,160 +64,6 @@ class Check:
     detail: str
     fix: str = ""
     seconds: float = 0.0
-
-
-# --- GGUF, through ggml's parser ----------------------------------------------------------------------
-
-class _Params(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
-_GGML = None
-# gguf_type (ggml/include/gguf.h)
-_GT_U8, _GT_I8, _GT_U16, _GT_I16, _GT_U32, _GT_I32, _GT_F32, _GT_BOOL, _GT_STR, _GT_ARR, _GT_U64, _GT_I64, _GT_F64 = range(13)
-_ARR_CTYPE = {_GT_U8: ctypes.c_uint8, _GT_I8: ctypes.c_int8, _GT_U16: ctypes.c_uint16, _GT_I16: ctypes.c_int16,
-              _GT_U32: ctypes.c_uint32, _GT_I32: ctypes.c_int32, _GT_F32: ctypes.c_float, _GT_BOOL: ctypes.c_bool,
-              _GT_U64: ctypes.c_uint64, _GT_I64: ctypes.c_int64, _GT_F64: ctypes.c_double}
-
-
-def _ggml():
-    """``libggml-base`` from the installed llama-cpp-python, with the gguf_* signatures declared."""
-    global _GGML
-    if _GGML is not None:
-        return _GGML
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("llama-cpp-python is not installed: run `make venv`")
-    libdir = Path(list(spec.submodule_search_locations)[0]) / "lib"
-    names = sorted(libdir.glob("libggml-base.*"))
-    if not names:
-        raise UserError(f"{libdir}: libggml-base not found; reinstall llama-cpp-python")
-    lib = ctypes.CDLL(str(names[0]))
-    c_p, i64, size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
-    sigs = {
-        "gguf_init_from_file": (c_p, [ctypes.c_char_p, _Params]), "gguf_free": (None, [c_p]),
-        "gguf_get_version": (ctypes.c_uint32, [c_p]), "gguf_get_data_offset": (size, [c_p]),
-        "gguf_find_key": (i64, [c_p, ctypes.c_char_p]), "gguf_get_kv_type": (ctypes.c_int, [c_p, i64]),
-        "gguf_get_arr_type": (ctypes.c_int, [c_p, i64]), "gguf_get_arr_n": (size, [c_p, i64]),
-        "gguf_get_arr_data": (c_p, [c_p, i64]), "gguf_get_val_str": (ctypes.c_char_p, [c_p, i64]),
-        "gguf_get_val_data": (c_p, [c_p, i64]), "gguf_get_n_tensors": (i64, [c_p]),
-        "gguf_get_tensor_offset": (size, [c_p, i64]), "gguf_get_tensor_size": (size, [c_p, i64]),
-    }
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    _GGML = lib
-    return lib
-
-
-@dataclass
-class GgufInfo:
-    """What doctor needs from a GGUF header. ``needed_bytes``: where the last tensor's data ends."""
-
-    path: Path
-    file_bytes: int
-    needed_bytes: int
-    version: int
-    n_tensors: int
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def truncated(self) -> bool:
-        return self.file_bytes < self.needed_bytes
-
-
-def _value(lib, ctx, key_id: int) -> Any:
-    kind = lib.gguf_get_kv_type(ctx, key_id)
-    if kind == _GT_STR:
-        return lib.gguf_get_val_str(ctx, key_id).decode("utf-8", "replace")
-    if kind == _GT_ARR:
-        elem = lib.gguf_get_arr_type(ctx, key_id)
-        if elem not in _ARR_CTYPE:
-            return None  # arrays of strings (the vocabulary) are not needed
-        n = lib.gguf_get_arr_n(ctx, key_id)
-        ptr = ctypes.cast(lib.gguf_get_arr_data(ctx, key_id), ctypes.POINTER(_ARR_CTYPE[elem]))
-        return [ptr[i] for i in range(n)]
-    if kind in _ARR_CTYPE:
-        return ctypes.cast(lib.gguf_get_val_data(ctx, key_id), ctypes.POINTER(_ARR_CTYPE[kind]))[0]
-    return None
-
-
-def read_gguf(path: str | Path, keys: tuple[str, ...] = ()) -> GgufInfo:
-    """Parse a GGUF header (no tensor data is read) with ggml's ``gguf_init_from_file``.
-
-    :param keys: metadata keys to return in ``meta``; ``{arch}`` is replaced by ``general.architecture``.
-    :raises ValueError: not a GGUF (the message is ggml's reason, e.g. "invalid magic characters").
-    :raises OSError: unreadable.
-    """
-    path = Path(path)
-    with open(path, "rb") as fh:  # raises OSError for a missing or unreadable file
-        fh.read(4)
-    lib = _ggml()
-    # ggml reports parse errors on stderr (fd 2): catch them as the reason instead of printing them.
-    with tempfile.TemporaryFile() as err:
-        saved = os.dup(2)
-        try:
-            os.dup2(err.fileno(), 2)
-            ctx = lib.gguf_init_from_file(str(path).encode(), _Params(True, None))
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        err.seek(0)
-        reason = err.read().decode("utf-8", "replace").strip()
-    if not ctx:
-        last = reason.splitlines()[-1] if reason else "ggml could not parse it"
-        raise ValueError(last.split(": ", 1)[-1])
-    try:
-        n = lib.gguf_get_n_tensors(ctx)
-        end = max((lib.gguf_get_tensor_offset(ctx, i) + lib.gguf_get_tensor_size(ctx, i) for i in range(n)), default=0)
-        meta: dict = {}
-        arch_id = lib.gguf_find_key(ctx, b"general.architecture")
-        arch = _value(lib, ctx, arch_id) if arch_id >= 0 else ""
-        meta["general.architecture"] = arch
-        for key in keys:
-            k = key.replace("{arch}", arch)
-            kid = lib.gguf_find_key(ctx, k.encode())
-            if kid >= 0:
-                meta[key] = _value(lib, ctx, kid)
-        return GgufInfo(path, path.stat().st_size, lib.gguf_get_data_offset(ctx) + end,
-                        lib.gguf_get_version(ctx), n, meta)
-    finally:
-        lib.gguf_free(ctx)
-
-
-_KV_KEYS = ("{arch}.block_count", "{arch}.embedding_length", "{arch}.attention.head_count",
-            "{arch}.attention.head_count_kv", "{arch}.attention.key_length", "{arch}.attention.value_length",
-            "{arch}.attention.shared_kv_layers", "{arch}.context_length", "clip.has_audio_encoder")
-
-
-def kv_cache_bytes(meta: dict, n_ctx: int, kv_type: str) -> int:
-    """Upper bound of the KV cache in bytes for ``n_ctx`` tokens.
-
-    Per layer that has its own cache (the last ``shared_kv_layers`` reuse earlier ones), K and V hold
-    ``head_count_kv × key_length`` and ``× value_length`` elements per token. Every layer counts ``n_ctx``
-    tokens at the full-attention lengths: llama-cpp-python 0.3.36 allocates full-size sliding-window
-    caches (its log: "using full-size SWA cache"), and the shorter ``*_swa`` lengths are not always used
-    for V. Measured here against llama.cpp's log: Gemma 3 270M at n_ctx 2048 q4_0, estimate 10.1 MiB,
-    llama.cpp 10.1 MiB (1.69 + 8.44); the tiny Gemma 4 fixture at 4096 f16, estimate 2.0, llama.cpp 1.75.
-    """
-    def per_layer(v, i):
-        return v[i] if isinstance(v, list) else v
-
-    n_layer = int(meta.get("{arch}.block_count") or 0)
-    if not n_layer:
-        return 0
-    n_embd = int(meta.get("{arch}.embedding_length") or 0)
-    heads = meta.get("{arch}.attention.head_count") or 1
-    heads_kv = meta.get("{arch}.attention.head_count_kv") or heads
-    shared = int(meta.get("{arch}.attention.shared_kv_layers") or 0)
-    per = KV_BYTES_PER_ELEMENT[kv_type]
-    total = 0.0
-    for i in range(max(0, n_layer - shared)):
-        head_dim = n_embd // max(1, int(per_layer(heads, i)))
-        k = meta.get("{arch}.attention.key_length") or head_dim
-        v = meta.get("{arch}.attention.value_length") or head_dim
-        total += n_ctx * int(per_layer(heads_kv, i)) * (int(k) + int(v)) * per
-    return int(total)
 
 
 # --- helpers -----------------------------------------------------------------------------------------
@@ -427,7 +271,7 @@ class Doctor:
     # audio
     def check_audio(self) -> list[Check]:
         """Runs :func:`_audio_checks` in a child process: PortAudio can hang on a stuck sound server, and
-        only a process that is killed gets out of that (see :mod:`appliance.audio.devices`)."""
+        only a process that is killed gets out of that (see :mod:`appliance.audio.device.host`)."""
         params = {"input": self.cfg.audio.input, "output": self.cfg.audio.output,
                   "capture_s": self.capture_s, "service": self.service}
         timeout = self.capture_s + 15.0
@@ -643,23 +487,23 @@ class Doctor:
 
 def _audio_checks(params: dict) -> list[Check]:
     """The sound-device rows: input and output found, the rate and channels each stream would open at
-    (the service's own choice, :func:`appliance.audio.devices._pick`), and a capture that is not digital
-    silence. Runs in the ``--audio-worker`` child."""
-    from .audio.devices import DeviceNotFound, _import_sd, _pick, _query, match_device
+    (the service's own choice, :func:`appliance.audio.device.probe_format`), and a capture that is not
+    digital silence. Runs in the ``--audio-worker`` child."""
+    from .audio.device import DeviceNotFound, default_devices, import_sounddevice, match_device, probe_format, query_devices
 
     try:
-        sd = _import_sd()
+        sd = import_sounddevice()
     except UserError as exc:
         problem, fix = _split_fix(str(exc))
         return [Check("audio", FAIL, problem, fix)]
-    devices = _query(sd)
+    devices = query_devices(sd)
     if not devices:
         fix = ("connect the USB sound card or HAT (check `arecord -l` and `aplay -l`; a HAT needs its "
                "dtoverlay in /boot/firmware/config.txt)")
         return [Check("audio input", FAIL, "no sound devices found", fix),
                 Check("audio output", FAIL, "no sound devices found", fix),
                 Check("capture", SKIP, "no input device")]
-    defaults = [None if i is None or i < 0 else int(i) for i in sd.default.device]
+    defaults = default_devices(sd)
     rows, opened = [], {}
     for n, kind in enumerate(("input", "output")):
         name = params[kind]
@@ -681,7 +525,7 @@ def _audio_checks(params: dict) -> list[Check]:
         detail = (f"'{dev['name']}' (#{dev['index']}, {dev['hostapi']}, for '{name}'): {channels} ch, "
                   f"mono at {', '.join(str(r) for r in ok) or 'no common rate'} Hz")
         try:
-            rate, ch = _pick(sd, dev, kind)
+            rate, ch = probe_format(sd, dev, kind)
         except RuntimeError as exc:
             rows.append(Check(f"audio {kind}", FAIL, f"{detail}; {exc}",
                               f"pick another device in audio.{kind} (`appliance devices` lists them)"))

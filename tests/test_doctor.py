@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from appliance import doctor
-from appliance.doctor import FAIL, PASS, SKIP, WARN, Doctor, kv_cache_bytes, read_gguf
+from appliance.doctor import FAIL, PASS, SKIP, WARN, Doctor
+from appliance.gguf import KV_KEYS, kv_cache_bytes, read_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "fixtures" / "tiny_gemma4"
@@ -206,11 +207,11 @@ def test_checksums_against_sha256sums(tmp_path):
 def test_kv_cache_estimate_matches_llama_cpp():
     """llama.cpp's own log, read here: Gemma 3 270M at n_ctx 2048 q4_0 allocates 1.69 + 8.44 MiB; the tiny
     Gemma 4 at 4096 f16 allocates 1.00 + 0.75 MiB (the estimate is an upper bound there: 2.0)."""
-    tiny = read_gguf(TINY / "tiny-gemma4.gguf", doctor._KV_KEYS)
+    tiny = read_gguf(TINY / "tiny-gemma4.gguf", KV_KEYS)
     assert kv_cache_bytes(tiny.meta, 4096, "f16") == 2 * 2**20
     from appliance.pipeline import embedded_model_path
 
-    gemma3 = read_gguf(embedded_model_path(), doctor._KV_KEYS)
+    gemma3 = read_gguf(embedded_model_path(), KV_KEYS)
     assert abs(kv_cache_bytes(gemma3.meta, 2048, "q4_0") / 2**20 - (1.69 + 8.44)) < 0.01
 
 
