@@ -11,6 +11,10 @@ Nothing here loads the LLM itself (seconds, and gigabytes of RAM on the device):
 read with ggml's own parser (:mod:`appliance.gguf`).
 The whole run takes a few seconds (the capture is 1 s).
 
+Over 500 lines on purpose: one method per row of the table, in the order the table prints them, so
+a support reply ("the `ram` row says…") finds its code by reading down; the GGUF parser is in
+:mod:`appliance.gguf` and the device probing in :mod:`appliance.audio.device.listing`.
+
 Status per check: ``pass``, ``warn`` (works, but look), ``fail`` (the appliance will not work; the row
 says the fix), ``skip`` (not applicable: e.g. GPIO disabled). Exit status 2 if any check failed, else 0.
 """

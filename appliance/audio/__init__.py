@@ -1,2 +1,3 @@
-"""Audio sources and sinks: real sound devices (``devices``), the simulated room (``room``), echo
-cancellation (``echo``), and audio-file helpers (``files``)."""
+"""Audio sources and sinks behind one interface (``port``: :class:`~appliance.audio.port.AudioPort`):
+real sound devices (``device``), the simulated room (``room``), the null port; the one fader they share
+(``fader``); echo cancellation (``echo``); and audio-file helpers (``files``)."""
