@@ -8,7 +8,7 @@ as gpiozero's pin factories sit behind one ``Factory``; nothing looks for a devi
 
 - :class:`appliance.audio.device.DeviceAudio`: real sound cards through PortAudio, in a worker process
   (the fader runs in the worker, on its output ring);
-- :class:`RoomPort`: the simulated room of ``appliance replay``, the tests and the benchmarks
+- :class:`appliance.audio.room.RoomPort`: the simulated room of ``appliance replay``, the tests and the benchmarks
   (:class:`appliance.audio.room.SimulatedRoom`), paced on the wall clock or not;
 - :class:`NullPort`: no room and no card; whoever calls :meth:`PullPort.read` is the speaker (tests).
 
@@ -147,44 +147,6 @@ class NullPort(PullPort):
                       np.zeros(0, np.float32) if far_end is None else np.asarray(far_end, np.float32))
 
 
-class RoomPort(PullPort):
-    """The simulated room as a port: its speaker reads through this port's fader.
-
-    :param scenario: :class:`appliance.audio.room.Scenario`, what the user says and the room's acoustics.
-    :param on_event: ``on_event(record)`` for the room's ground truth (``user_speech``).
-    :param paced: run on the wall clock (True) or as fast as the pipeline allows.
-    :param rate: the pull rate, Hz (the room runs at 16 kHz).
-
-    :attr:`room` (the :class:`~appliance.audio.room.SimulatedRoom`) exists after :meth:`start`; drive it
-    with :meth:`run`.
-    """
-
-    def __init__(self, scenario, on_event: Callable[[dict], None], paced: bool = True, rate: int = 16000,
-                 fade_ms: float = 8.0):
-        super().__init__(rate, fade_ms)
-        self.scenario = scenario
-        self._on_event = on_event
-        self.paced = paced
-        self.room = None
-
-    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
-        from .room import SimulatedRoom
-
-        super().start(pull, capture, on_silent)
-        self.room = SimulatedRoom(self.scenario, self.read, capture, on_event=self._on_event, paced=self.paced,
-                                  rate=self.rate)
-
-    def run(self, until: Callable[[], bool], max_seconds: float) -> None:
-        """Play the scenario (see :meth:`SimulatedRoom.run`); :meth:`start` first."""
-        if self.room is None:
-            raise RuntimeError("RoomPort.run before start")
-        self.room.run(until, max_seconds)
-
-    def stop(self) -> None:
-        if self.room is not None:
-            self.room.stop()
-
-
 def open_port(cfg, rate: int, kind: str = "device", *, on_status=None, scenario=None, on_event=None,
               paced: bool = True) -> AudioPort:
     """The port for ``kind``, configured from ``cfg`` (a :class:`appliance.config.Config`).
@@ -202,6 +164,8 @@ def open_port(cfg, rate: int, kind: str = "device", *, on_status=None, scenario=
         return DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate, on_status=on_status,
                            backoff=(0.5, cfg.audio.retry_max_s), fade_ms=fade_ms)
     if kind == "room":
+        from .room import RoomPort
+
         return RoomPort(scenario, on_event or (lambda record: None), paced=paced, rate=rate, fade_ms=fade_ms)
     if kind == "null":
         return NullPort(rate, fade_ms)

@@ -1,4 +1,5 @@
-"""The simulated room behind ``appliance replay``, the tests and the benchmarks.
+"""The simulated room behind ``appliance replay``, the tests and the benchmarks, and :class:`RoomPort`,
+the room as an :class:`~appliance.audio.port.AudioPort`.
 
 It stands where the sound card would: every block (10 ms) it asks the playback buffer for the next
 output block, exactly as the output callback does, records it on the timeline (``reply.wav``), and builds
@@ -40,6 +41,7 @@ import numpy as np
 
 from ..errors import UserError
 from .files import MODEL_RATE, first_above, load_audio
+from .port import PullPort
 
 BLOCK = 160  # 10 ms at 16 kHz
 
@@ -372,3 +374,31 @@ class SimulatedRoom:
 
     def mic_audio(self) -> np.ndarray:
         return np.concatenate(self.mic) if self.mic else np.zeros(0, dtype=np.float32)
+
+
+class RoomPort(PullPort):
+    """The simulated room as an :class:`~appliance.audio.port.AudioPort`: the room's speaker reads through
+    this port's fader, its microphone blocks go to the ``capture`` given to :meth:`start`.
+
+    :param scenario: :class:`Scenario`, what the user says and the room's acoustics.
+    :param on_event: ``on_event(record)`` for the room's ground truth (``user_speech``).
+    :param paced: run on the wall clock (True) or as fast as the pipeline allows.
+    :param rate: the pull rate, Hz (the room runs at 16 kHz, :data:`BLOCK` samples a tick).
+    :param fade_ms: the fade on pause, resume and flush, ms.
+
+    :attr:`room` is the :class:`SimulatedRoom` (its ``observe`` arms ``after:`` events; subscribe it to the
+    conversation); drive it with :meth:`run` after :meth:`start`.
+    """
+
+    def __init__(self, scenario: Scenario, on_event: Callable[[dict], None], paced: bool = True,
+                 rate: int = MODEL_RATE, fade_ms: float = 8.0):
+        super().__init__(rate, fade_ms)
+        self.room = SimulatedRoom(scenario, self.read, lambda mic, far: self._capture(mic, far), on_event=on_event,
+                                  paced=paced, rate=rate)
+
+    def run(self, until: Callable[[], bool], max_seconds: float) -> None:
+        """Play the scenario until ``until()`` or ``max_seconds`` of audio (see :meth:`SimulatedRoom.run`)."""
+        self.room.run(until, max_seconds)
+
+    def stop(self) -> None:
+        self.room.stop()
