@@ -100,7 +100,7 @@ class Service:
 
     def __init__(self, cfg: Config, parts, pin_factory=None, indicators=None, timeline=None):
         from . import indicators as ind
-        from .audio.port import open_port
+        from .audio.backends import open_port
         from .pipeline import Session
 
         self.cfg = cfg

@@ -8,7 +8,8 @@ import pytest
 from appliance.audio.device import protocol as p
 from appliance.audio.device.worker import OutputRing
 from appliance.audio.fader import FadeState
-from appliance.audio.port import AudioPort, NullPort, open_port
+from appliance.audio.backends import open_port
+from appliance.audio.port import AudioPort, NullPort
 from appliance.audio.room import RoomPort, RoomSpec, Scenario
 from appliance.config import Config
 from appliance.playback import Playback

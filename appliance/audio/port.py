@@ -3,12 +3,14 @@
 A port is where the appliance meets the air. It pulls the speaker's samples from the playback buffer,
 delivers microphone blocks (with the far end that was played meanwhile) to the capture side, and pauses,
 resumes and flushes the output with a fade (:class:`appliance.audio.fader.Fader`) at the place that holds
-the last samples before the speaker. Three kinds implement it, chosen by :func:`open_port` or passed in,
+the last samples before the speaker. Three kinds implement it, chosen by
+:func:`appliance.audio.backends.open_port` or passed in,
 as gpiozero's pin factories sit behind one ``Factory``; nothing looks for a device with ``if … is None``:
 
 - :class:`appliance.audio.device.DeviceAudio`: real sound cards through PortAudio, in a worker process
   (the fader runs in the worker, on its output ring);
-- :class:`appliance.audio.room.RoomPort`: the simulated room of ``appliance replay``, the tests and the benchmarks
+- :class:`appliance.audio.room.RoomPort`: the simulated room of ``appliance replay``, the tests and the
+  benchmarks
   (:class:`appliance.audio.room.SimulatedRoom`), paced on the wall clock or not;
 - :class:`NullPort`: no room and no card; whoever calls :meth:`PullPort.read` is the speaker (tests).
 
@@ -145,28 +147,3 @@ class NullPort(PullPort):
         """Deliver ``mic`` (float32 mono 16 kHz) and ``far_end`` (default: empty) to ``capture``."""
         self._capture(np.asarray(mic, dtype=np.float32),
                       np.zeros(0, np.float32) if far_end is None else np.asarray(far_end, np.float32))
-
-
-def open_port(cfg, rate: int, kind: str = "device", *, on_status=None, scenario=None, on_event=None,
-              paced: bool = True) -> AudioPort:
-    """The port for ``kind``, configured from ``cfg`` (a :class:`appliance.config.Config`).
-
-    :param rate: the pull rate, Hz (the playback buffer's).
-    :param kind: ``"device"`` (``cfg.audio.input``/``output``, ``output_block_ms``, ``retry_max_s``;
-        ``on_status(kind, info)`` as :class:`~appliance.audio.device.DeviceAudio` documents), ``"room"``
-        (``scenario``, ``on_event``, ``paced``) or ``"null"``.
-    :raises ValueError: an unknown ``kind``.
-    """
-    fade_ms = cfg.interruption.fade_ms
-    if kind == "device":
-        from .device import DeviceAudio
-
-        return DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate, on_status=on_status,
-                           backoff=(0.5, cfg.audio.retry_max_s), fade_ms=fade_ms)
-    if kind == "room":
-        from .room import RoomPort
-
-        return RoomPort(scenario, on_event or (lambda record: None), paced=paced, rate=rate, fade_ms=fade_ms)
-    if kind == "null":
-        return NullPort(rate, fade_ms)
-    raise ValueError(f"unknown audio port kind {kind!r}; use device, room or null")
