@@ -4,14 +4,13 @@ A port is where the appliance meets the air. It pulls the speaker's samples from
 delivers microphone blocks (with the far end that was played meanwhile) to the capture side, and pauses,
 resumes and flushes the output with a fade (:class:`appliance.audio.fader.Fader`) at the place that holds
 the last samples before the speaker. Three kinds implement it, chosen by
-:func:`appliance.audio.backends.open_port` or passed in,
-as gpiozero's pin factories sit behind one ``Factory``; nothing looks for a device with ``if … is None``:
+:func:`appliance.audio.backends.open_port` or passed in, as gpiozero's pin factories sit behind one
+``Factory``; nothing looks for a device with ``if … is None``:
 
 - :class:`appliance.audio.device.DeviceAudio`: real sound cards through PortAudio, in a worker process
   (the fader runs in the worker, on its output ring);
 - :class:`appliance.audio.room.RoomPort`: the simulated room of ``appliance replay``, the tests and the
-  benchmarks
-  (:class:`appliance.audio.room.SimulatedRoom`), paced on the wall clock or not;
+  benchmarks (:class:`appliance.audio.room.SimulatedRoom`), paced on the wall clock or not;
 - :class:`NullPort`: no room and no card; whoever calls :meth:`PullPort.read` is the speaker (tests).
 
 Units: the pull rate is the playback buffer's rate (Hz, ``rate``); capture blocks are float32 mono 16 kHz
