@@ -279,7 +279,7 @@ class DeviceAudio(AudioPort):
                   "stall_s": self.stall_s, "grace_s": self.grace_s, "fade_ms": self.fade_ms}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "appliance.audio.device.worker", str(child.fileno()), json.dumps(params)],
+                [sys.executable, "-m", "appliance.audio.device", "worker", str(child.fileno()), json.dumps(params)],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=None if log.isEnabledFor(logging.DEBUG) else subprocess.DEVNULL, env=child_env())
         finally:

@@ -135,7 +135,7 @@ def list_devices(timeout: float = 15.0) -> dict:
     :raises UserError: PortAudio is missing, or the query hung for ``timeout`` s.
     """
     try:
-        res = subprocess.run([sys.executable, "-m", "appliance.audio.device.listing", "--list"], capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "appliance.audio.device", "list"], capture_output=True,
                              text=True, timeout=timeout, env=child_env())
     except subprocess.TimeoutExpired:
         raise UserError(f"listing sound devices hung for {timeout:.0f} s (a stuck sound server?); "
@@ -173,7 +173,8 @@ def describe_devices(cfg=None) -> tuple[str, list[str]]:
     return "\n".join(lines), notes
 
 
-def _list_main() -> None:
+def list_main() -> None:
+    """``python -m appliance.audio.device list``: print the listing as one JSON line and exit hard."""
     try:
         sd = import_sounddevice()
         devs = query_devices(sd)
@@ -186,9 +187,3 @@ def _list_main() -> None:
     sys.stdout.flush()
     os._exit(0)  # no Pa_Terminate: it can hang on a half-dead sound server
 
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--list"]:
-        _list_main()
-    print("usage: python -m appliance.audio.device.listing --list", file=sys.stderr)
-    sys.exit(2)

@@ -1,4 +1,4 @@
-"""The audio worker process: PortAudio lives only here (``python -m appliance.audio.device.worker FD PARAMS``).
+"""The audio worker process: PortAudio lives only here (``python -m appliance.audio.device worker FD PARAMS``).
 
 It opens the two streams by name, shuttles blocks over the socket (:mod:`.protocol`), plays the output
 from a :class:`~appliance.audio.fader.Fader` ring, watches for a device that stops calling back, and exits
@@ -21,10 +21,8 @@ callback must come within this long of opening). Exit codes: 0 asked to quit or 
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Optional
@@ -231,9 +229,3 @@ def run(fd: int, params: dict) -> int:
             send_json(p.Kind.LOST, {"reason": reason})
             os._exit(5)
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3:
-        sys.exit(run(int(sys.argv[1]), json.loads(sys.argv[2])))
-    print("usage: python -m appliance.audio.device.worker FD PARAMS_JSON", file=sys.stderr)
-    sys.exit(2)
