@@ -824,6 +824,10 @@ class EngineWorker:
     def commit(self, reply_id: int, spoken_text: str, complete: bool) -> None:
         self._q.put(("commit", reply_id, spoken_text, complete))
 
+    def forget(self) -> None:
+        """Drop the history (a new conversation), on the engine thread after the jobs already queued."""
+        self.call(lambda: self.engine.forget())
+
     def call(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread after the queued jobs (e.g. a rebuild while idle)."""
         self._q.put(("call", fn, None, None))

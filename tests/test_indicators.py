@@ -112,9 +112,9 @@ def test_button_debounce_short_and_long_press(factory):
 
 def test_button_on_the_real_conversation(factory, fresh_parts, embedded_cfg, question_audio):
     """Mute: nothing reaches the VAD. Stop while speaking. Long press: a fresh conversation."""
-    from appliance.pipeline import Session
+    from appliance.session import NullPort, Session
 
-    s = Session(embedded_cfg, fresh_parts, out_rate=16000)
+    s = Session(embedded_cfg, fresh_parts, NullPort(16000))
     ind = Indicators(GpioConfig(button_pin=26, long_press_s=0.5), s.conversation.post, pin_factory=factory)
     s.conversation.subscribe(ind.observe)
     pin = factory.pin(26)

@@ -149,7 +149,7 @@ def test_mute_survives_a_restart(tmp_path, fresh_parts, embedded_cfg):
     finally:
         svc.stop()
     svc = Service(cfg, fresh_parts)
-    assert svc.session.listener.muted  # before any audio could flow
+    assert svc.session.conversation.muted  # before any audio could flow (the listener reads it per block)
     svc.start()
     try:
         svc.session.conversation.post("ready")

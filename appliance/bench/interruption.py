@@ -1,6 +1,6 @@
 """``appliance bench interruption``: the barge-in layer measured in the simulated room, in real time.
 
-Every scenario is a fresh :class:`~appliance.pipeline.Session` on the loaded parts: the user asks a
+Every scenario is a fresh :class:`~appliance.session.Session` on the loaded parts: the user asks a
 question, the appliance answers (real LLM, real Piper, real playback buffer), and while it speaks the room
 plays one scripted sound into the microphone together with the appliance's own echo (30 ms + a synthetic
 RT60 150 ms room impulse response) at a set level relative to the user's voice. The room runs on the wall
@@ -30,19 +30,19 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
-from ..audio.echo import HB_MIN_REL_DB, from_config
+from ..audio.echo import HB_MIN_REL_DB
 from ..audio.files import MODEL_RATE, load_audio, resample, write_wav
-from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
+from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, synthetic_ir
 from ..config import Config
 from ..errors import UserError
-from ..pipeline import Parts, Session, Timeline, jsonable
+from ..pipeline import Parts, Timeline, jsonable
+from ..session import RoomPort, Session
 from ..replay import audible_until_ms, barge_ins
 
 USER_DBFS = -26.0  # the user's active speech level at the microphone (RMS over samples above -50 dBFS)
@@ -359,23 +359,17 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         events.append(ScriptedUtterance(case.audio, case.text, case.label, after="speaking", delay=case.delay_s))
     scenario = Scenario(events, RoomSpec(echo_gain_db=gain if case.echo_path else None, echo_delay_ms=ECHO_DELAY_MS,
                                          impulse_response=synthetic_ir(RT60_MS) if case.room_ir else None))
-    if echo is None:
-        echo = from_config(cfg, record=True)
-    elif hasattr(echo, "clear_records"):
+    if echo is not None and hasattr(echo, "clear_records"):
         echo.clear_records()
+    timeline = Timeline()
+    hears = parts.engine.hears_audio
+    port = RoomPort(scenario, on_record=timeline, paced=True)
+    session = Session(cfg, parts, port, [timeline], echo=echo, record_echo=True,
+                      transcript_at=None if hears else scenario.transcript_at)
+    echo = session.listener.echo  # a new one from cfg when none was given (what first_reply cases get)
     frame0 = echo.frames if echo is not None else 0
     stand_in0 = getattr(echo, "stand_in_frames", 0)
-    timeline = Timeline()
-    holder: dict = {}
-    clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
-    hears = parts.engine.hears_audio
-    session = Session(cfg, parts, out_rate=MODEL_RATE, echo=echo,
-                      transcript_at=None if hears else scenario.transcript_at, clock=clock)
-    room = SimulatedRoom(scenario, session.playback.read, session.listener.capture, on_event=timeline, paced=True)
-    holder["room"] = room
-    session.conversation.subscribe(timeline)
-    session.conversation.subscribe(room.observe)
-    room.t0 = time.monotonic()
+    room = port.room
     session.start()
     mark = [None]
 
@@ -401,7 +395,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         return room.n - mark[0] >= int(1.0 * MODEL_RATE)
 
     try:
-        room.run(until, max_seconds=40.0)
+        port.run(until, max_seconds=40.0)
     finally:
         session.stop()
     recs = list(timeline.records)
