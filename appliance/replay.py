@@ -87,15 +87,18 @@ def resumes(records: list[dict]) -> list[dict]:
 
 
 def check_transcripts(scenario: Scenario, input_path: str | Path) -> None:
-    """A text-only model needs the text of every utterance. Raises :class:`UserError` naming the fix."""
-    missing = [i for i, e in enumerate(scenario.events, 1) if not e.text]
+    """A text-only model needs the text of every utterance (an event marked ``speech: false``, a noise, has
+    none and needs none: if the VAD takes it for a turn, the engine drops it with one warning). Raises
+    :class:`UserError` naming the fix."""
+    missing = [i for i, e in enumerate(scenario.events, 1) if e.speech and not e.text]
     if not missing:
         return
     if Path(input_path).suffix.lower() not in (".yaml", ".yml"):
         raise UserError(f"{input_path}: the model is text-only and cannot hear this WAV; pass --transcript "
                         "\"what it says\" (or give a model with an audio projector)")
     raise UserError(f"{input_path}: the model is text-only and event(s) {missing} have no `text:` transcript; "
-                    "add `text:` to each event (or give a model with an audio projector)")
+                    "add `text:` to each event, or `speech: false` to an event that is a noise (or give a model "
+                    "with an audio projector)")
 
 
 def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Config, *, paced: bool = True,

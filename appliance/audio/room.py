@@ -18,6 +18,9 @@ Scenario files (YAML)::
         delay: 1.2               # ...plus 1.2 s
         say: wait.wav
         text: "Wait, stop."
+      - at: 9.0
+        say: doorbell.wav
+        speech: false            # not speech (a bell, a door slam): no `text:`, even for a text-only model
     room:
       echo_gain_db: -10          # level of the echo relative to what was played (IR normalised to unit energy)
       echo_delay_ms: 30          # speaker-to-microphone delay before the IR's first tap
@@ -56,6 +59,7 @@ class ScriptedUtterance:
     delay: float = 0.0
     gain_db: float = 0.0
     start_sample: Optional[int] = None  # placed on the timeline when it fires
+    speech: bool = True  # False: a noise (a bell, a door slam), which has no transcript
 
     @property
     def onset_offset(self) -> int:
@@ -173,9 +177,15 @@ class Scenario:
             where = f"{path}: event {i}"
             if not isinstance(ev, dict):
                 raise UserError(f"{where}: must be a mapping with `say:` and `at:` or `after:`")
-            extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db"}
+            extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db", "speech"}
             if extra:
-                raise UserError(f"{where}: unknown key(s) {sorted(extra)}; allowed: at, after, delay, say, text, gain_db")
+                raise UserError(f"{where}: unknown key(s) {sorted(extra)}; allowed: at, after, delay, say, text, "
+                                "gain_db, speech")
+            speech = ev.get("speech", True)
+            if not isinstance(speech, bool):
+                raise UserError(f"{where}: `speech` must be true or false (false: a noise, with no `text:`)")
+            if not speech and ev.get("text"):
+                raise UserError(f"{where}: `speech: false` (a noise) has no transcript; remove `text:`")
             if "say" not in ev or not isinstance(ev["say"], str):
                 raise UserError(f"{where}: needs `say: FILE.wav` (a path relative to the scenario file)")
             if ("at" in ev) == ("after" in ev):
@@ -193,7 +203,8 @@ class Scenario:
             except UserError as exc:
                 raise UserError(f"{where}: {exc}") from None
             events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
-                                            delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0))))
+                                            delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0)),
+                                            speech=speech))
         room = RoomSpec()
         r = data.get("room") or {}
         if not isinstance(r, dict):
