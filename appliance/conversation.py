@@ -38,10 +38,11 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
+from .audio.files import MODEL_RATE
 from .events import Ev, Event, EventQueue, kind_of
 from .turns import BargeInDecision, TurnTaker
 
-JOIN_GAP_SAMPLES = 1600  # 100 ms of silence at 16 kHz between a held interjection and what followed it
+JOIN_GAP_SAMPLES = MODEL_RATE // 10  # 100 ms of silence between a held interjection and what followed it
 # How a reply cut short is remembered: the words that were heard, then this (an interrupted utterance, as
 # in written dialogue), so the next turn's model knows it did not finish.
 CUT_MARK = "—"

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Protocol
 
+from .audio.files import MODEL_RATE
 from .config import Config
 from .conversation import Conversation, State
 from .errors import UserError
@@ -74,7 +75,7 @@ class NullPort:
     """No audio backend: the caller reads ``session.playback`` and calls ``session.listener.capture``
     itself (the tests). :meth:`start` reports ``open``, so the conversation leaves ``starting``."""
 
-    def __init__(self, out_rate: int = 16000):
+    def __init__(self, out_rate: int = MODEL_RATE):
         self.out_rate = out_rate
         self.clock = None
         self.session: Optional[Session] = None
@@ -113,8 +114,6 @@ class RoomPort:
     """
 
     def __init__(self, scenario, on_record: Callable[[dict], None], paced: bool = True, max_wait_s: float = 60.0):
-        from .audio.files import MODEL_RATE
-
         self.out_rate = MODEL_RATE
         self.scenario = scenario
         self.on_record = on_record

@@ -57,7 +57,7 @@ class Speaker(threading.Thread):
 @contextlib.contextmanager
 def running(cfg, parts):
     """A started :class:`Session` on ``cfg`` with a recorder and a speaker reading its playback, listening."""
-    s = Session(cfg, parts, NullPort(16000))
+    s = Session(cfg, parts, NullPort())
     rec = Recorder()
     s.conversation.subscribe(rec)
     spk = Speaker(s.playback)

@@ -114,7 +114,7 @@ def test_button_on_the_real_conversation(factory, fresh_parts, embedded_cfg, que
     """Mute: nothing reaches the VAD. Stop while speaking. Long press: a fresh conversation."""
     from appliance.session import NullPort, Session
 
-    s = Session(embedded_cfg, fresh_parts, NullPort(16000))
+    s = Session(embedded_cfg, fresh_parts, NullPort())
     ind = Indicators(GpioConfig(button_pin=26, long_press_s=0.5), s.conversation.post, pin_factory=factory)
     s.conversation.subscribe(ind.observe)
     pin = factory.pin(26)
