@@ -1,8 +1,10 @@
-"""The appliance assembled: capture → (echo canceller) → VAD → conversation → engine → sentence splitter →
-TTS → playback, with the audio backend (sound devices or the simulated room) at both ends.
+"""The appliance's parts around the conversation: capture → (echo canceller) → VAD (:class:`Listener`),
+clauses → Piper → playback (:class:`TtsWorker`), the :class:`Timeline` observer, and the loaded models
+(:class:`Parts`). :class:`appliance.session.Session` assembles them.
 
-Threads: the audio backend's callbacks (copy only), ``listener`` (echo cancellation and VAD),
-``conversation`` (the state), ``engine`` (llama.cpp) and ``tts`` (Piper). They talk through queues.
+Threads (each started by its part's ``start()``): the audio backend's callbacks (copy only), ``listener``
+(echo cancellation and VAD), ``conversation`` (the state), ``engine`` (llama.cpp) and ``tts`` (Piper). They
+talk through queues.
 """
 
 from __future__ import annotations

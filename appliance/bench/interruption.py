@@ -424,22 +424,24 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     if echo is not None and getattr(echo, "gate_log", None):
         # The onset gate's refusals: near the interjection's onset (ms after it), and the closest the echo
         # alone came to the threshold (headroom, dB) in the whole scenario.
-        refused = [((f - frame0) * 10.0, r, thr, hb, hb_thr, lv) for f, r, thr, ok, hb, hb_thr, lv in echo.gate_log
-                   if not ok]
+        ms = lambda g: (g.frame - frame0) * 10.0  # noqa: E731  (a GateRow's time in the scenario, ms)
+        refused = [g for g in echo.gate_log if not g.passed]
         if speech:
             t_on = speech[0]["onset_t"] * 1000.0
-            out.gate_near_onset = [(round(t - t_on), r, thr) for t, r, thr, *_ in refused if -50 <= t - t_on <= 300]
-        early = [g for g in refused if not speech or g[0] < speech[0]["onset_t"] * 1000.0 - 50]
-        out.gate_headroom_db = round(min(thr - r for _, r, thr, *_ in early), 1) if early else None
+            out.gate_near_onset = [(round(ms(g) - t_on), g.ratio_db, g.threshold_db) for g in refused
+                                   if -50 <= ms(g) - t_on <= 300]
+        early = [g for g in refused if not speech or ms(g) < speech[0]["onset_t"] * 1000.0 - 50]
+        out.gate_headroom_db = round(min(g.threshold_db - g.ratio_db for g in early), 1) if early else None
         # The high-band test only counts over a high band at its usual level (see near_end_present).
-        hb_early = [hb_thr - hb for *_, hb, hb_thr, lv in early if hb is not None and lv is not None
-                    and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
+        hb_early = [g.hb_threshold_db - g.hb_ratio_db for g in early if g.hb_ratio_db is not None
+                    and g.hb_level_db is not None and g.hb_level_db >= HB_MIN_REL_DB and np.isfinite(g.hb_threshold_db)]
         out.gate_hb_headroom_db = round(min(hb_early), 1) if hb_early else None
         # The strict test behind early onsets (near_end_clear) needs both bands: how far the echo alone came
         # from passing both, where the high band's level let it count at all.
-        both = [max(thr - r, hb_thr - hb) for f, r, thr, ok, hb, hb_thr, lv in echo.clear_log
-                if (not speech or (f - frame0) * 10.0 < speech[0]["onset_t"] * 1000.0 - 50) and hb is not None
-                and lv is not None and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
+        both = [max(g.threshold_db - g.ratio_db, g.hb_threshold_db - g.hb_ratio_db) for g in echo.clear_log
+                if (not speech or ms(g) < speech[0]["onset_t"] * 1000.0 - 50)
+                and g.hb_ratio_db is not None and g.hb_level_db is not None and g.hb_level_db >= HB_MIN_REL_DB
+                and np.isfinite(g.hb_threshold_db)]
         out.gate_both_headroom_db = round(min(both), 1) if both else None
     if case.kind in ("barge_in", "cold_barge_in") and out.valid and speech and not out.flushed:
         # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)
