@@ -76,6 +76,9 @@ class Ev(str, enum.Enum):
     REPLAY_START = "replay_start"
     REPLAY_END = "replay_end"
 
+    def __str__(self) -> str:  # in logs and f-strings, the name as it is written to the timeline
+        return self.value
+
 
 INPUTS = frozenset({
     Ev.READY, Ev.ERROR, Ev.RECOVERED, Ev.MUTE, Ev.STOP_REPLY, Ev.NEW_CONVERSATION, Ev.VAD_ONSET,

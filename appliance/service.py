@@ -8,9 +8,12 @@
 - ``SIGHUP`` (``systemctl reload``) reloads config.yaml: a valid new config is applied without dropping
   the conversation (the engine keeps its history): sound devices reopened, the echo canceller rebuilt
   (cold: see audio/echo.py), VAD thresholds, barge-in
-  timing, voice, LED and button pins; a new model loads in the background and takes over, with the
-  history, when ready. An invalid config is rejected as a whole: the running config stays, the log says
-  why in one line, and the LEDs show ``config_error`` for a few seconds.
+  timing, voice, LED and button pins (:meth:`appliance.session.Session.apply`); a new model loads in the
+  background and takes over, with the history, when ready. An invalid config is rejected as a whole: the
+  running config stays, the log says why in one line, and the LEDs show ``config_error`` for a few seconds.
+  The one exception: new LED or button pins that cannot be had (in use, no such pin) once the rest has been
+  applied leave the old pins working, and the log and the LEDs say so (the old pins must be released
+  before new ones that overlap them can be taken, so they cannot be tried beforehand).
 - The mute switch (a privacy control) is kept in ``storage.state_dir/muted`` and survives restarts.
 
 sd_notify is the documented datagram protocol over the ``AF_UNIX`` socket in ``$NOTIFY_SOCKET``
