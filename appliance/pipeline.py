@@ -116,6 +116,9 @@ class Listener:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
+        """Start the listener's thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the listener was started already")
         self._thread = threading.Thread(target=self._run, name="listener", daemon=True)
         self._thread.start()
 
@@ -235,6 +238,9 @@ class TtsWorker:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
+        """Start the worker's thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the TTS worker was started already")
         self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
         self._thread.start()
 
