@@ -25,6 +25,12 @@ detector heard its phrase) and again when a reply ends (it was played, flushed o
 ``follow_up_s``; ``listen_window`` events say when it opens and closes. A barge-in during a reply needs no
 wake word. An utterance that is only the wake word ("Hey Jarvis." and a pause) opens the window and is not
 a turn.
+
+Events are the typed catalogue of :mod:`appliance.events` (an unknown one is refused at ``post``), handled
+in order except that the button's events and a barge-in's onset do not wait behind others (see there).
+
+One module of about 580 lines, on purpose: its handlers are the transitions of one state and share it;
+split across modules they would no longer read as the one owner of the state.
 """
 
 from __future__ import annotations
