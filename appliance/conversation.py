@@ -25,13 +25,18 @@ detector heard its phrase) and again when a reply ends (it was played, flushed o
 ``follow_up_s``; ``listen_window`` events say when it opens and closes. A barge-in during a reply needs no
 wake word. An utterance that is only the wake word ("Hey Jarvis." and a pause) opens the window and is not
 a turn.
+
+Events are the typed catalogue of :mod:`appliance.events` (an unknown one is refused at ``post``), handled
+in order except that the button's events and a barge-in's onset do not wait behind others (see there).
+
+One module of about 580 lines, on purpose: its handlers are the transitions of one state and share it;
+split across modules they would no longer read as the one owner of the state.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +44,11 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
+from .audio.files import MODEL_RATE
+from .events import Ev, Event, EventQueue, kind_of
 from .turns import BargeInDecision, TurnTaker
 
-JOIN_GAP_SAMPLES = 1600  # 100 ms of silence at 16 kHz between a held interjection and what followed it
+JOIN_GAP_SAMPLES = MODEL_RATE // 10  # 100 ms of silence between a held interjection and what followed it
 # How a reply cut short is remembered: the words that were heard, then this (an interrupted utterance, as
 # in written dialogue), so the next turn's model knows it did not finish.
 CUT_MARK = "—"
@@ -78,6 +85,7 @@ class EngineControl(Protocol):
     def submit_turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None: ...
     def cancel(self, reply_id: int) -> None: ...
     def commit(self, reply_id: int, spoken_text: str, complete: bool) -> None: ...
+    def forget(self) -> None: ...  # drop the history (after the jobs already queued)
 
 
 @dataclass
@@ -101,10 +109,15 @@ class Conversation:
     :param engine: the engine worker (turns, cancel, commit).
     :param turn_taker: decides barge-in vs backchannel.
     :param clock: seconds since the session started (``time.monotonic`` based by default).
+    :param muted: the mute switch at start (the service's persisted one): ``ready`` then enters ``muted``.
+    :param keep_turns: keep only the newest this many turns' metrics in :attr:`turns` (None: all; the
+        service, which runs for months, keeps 100).
+    :param turn_stats: optional ``() -> dict`` merged into each turn's metrics (the sound devices' xruns).
     """
 
     def __init__(self, playback: PlaybackControl, engine: EngineControl, turn_taker: TurnTaker,
-                 clock: Optional[Callable[[], float]] = None):
+                 clock: Optional[Callable[[], float]] = None, *, muted: bool = False,
+                 keep_turns: Optional[int] = None, turn_stats: Optional[Callable[[], dict]] = None):
         self.playback = playback
         self.engine = engine
         self.turn_taker = turn_taker
@@ -112,7 +125,7 @@ class Conversation:
         self.clock = clock or (lambda: time.monotonic() - t0)
         self.state = State.STARTING
         self._observers: list[Observer] = []
-        self._q: "queue.SimpleQueue[tuple[str, dict]]" = queue.SimpleQueue()
+        self._q = EventQueue()
         self._posted = self._handled = 0
         self._thread: Optional[threading.Thread] = None
         self._reply_id = 0
@@ -123,13 +136,13 @@ class Conversation:
         # or joined to what they say next: (info, audio, transcript).
         self._held: Optional[tuple] = None
         self.turns: list[dict] = []  # each turn's metrics (a replay's report reads them)
-        self.keep_turns: Optional[int] = None  # keep only the newest this many (the service: it runs for months)
+        self.keep_turns = keep_turns
         self.idle = threading.Event()
-        # The mute switch outlives an error (a lost sound card) and a restart: ``ready``/``recovered``
-        # return to ``muted`` while it is on. The service sets it from the persisted flag before start.
-        self.keep_muted = False
-        # Optional ``() -> dict`` merged into each turn's metrics (e.g. the sound devices' xruns).
-        self.turn_stats: Optional[Callable[[], dict]] = None
+        # The mute switch: part of the state, written only here. It outlives an error (a lost sound card):
+        # ``recovered`` returns to ``muted`` while it is on (and a restart, through the MuteStore observer).
+        self._muted = bool(muted)
+        self.turn_stats = turn_stats
+        self.strict = False  # tests: a handler's exception propagates from handle() instead of being logged
         self.stop_words_only_silence = True
         self.listen_mode = "always"
         self.follow_up_s = 8.0
@@ -138,12 +151,35 @@ class Conversation:
         self._window_timer: Optional[threading.Timer] = None
         self._utterance_onset_t: Optional[float] = None
         self._wake_t: Optional[float] = None  # audio time of the last wake word, s
+        self._handlers: dict[Ev, Callable[[dict], None]] = {
+            Ev.READY: self._on_ready, Ev.ERROR: self._on_error, Ev.ENGINE_ERROR: self._on_engine_error,
+            Ev.RECOVERED: self._on_recovered, Ev.MUTE: self._on_mute, Ev.NEW_CONVERSATION: self._on_new_conversation,
+            Ev.STOP_REPLY: self._on_stop_reply, Ev.VAD_ONSET: self._on_vad_onset, Ev.VAD_START: self._on_vad_start,
+            Ev.VAD_PROGRESS: self._on_vad_progress, Ev.VAD_REJECT: self._on_vad_reject, Ev.VAD_END: self._on_vad_end,
+            Ev.VAD_SETTLED: self._on_vad_settled, Ev.LLM_FIRST_TOKEN: self._on_llm_first_token,
+            Ev.LLM_DONE: self._on_llm_done, Ev.TTS_FIRST_AUDIO: self._on_tts_first_audio,
+            Ev.TTS_ERROR: lambda info: self._emit(Ev.TTS_ERROR, **info), Ev.DRAINED: self._on_drained, Ev.WAKE: self._on_wake,
+            Ev.WINDOW_CHECK: self._on_window_check, Ev.SILENT: self._on_silent,
+        }
 
-    def configure(self, *, stop_words_only_silence: Optional[bool] = None, listen_mode: Optional[str] = None,
-                  follow_up_s: Optional[float] = None, min_silence_ms: Optional[float] = None) -> None:
+    @property
+    def muted(self) -> bool:
+        """The mute switch (read from any thread: the listener drops the microphone while it is on)."""
+        return self._muted
+
+    @property
+    def interjecting(self) -> bool:
+        """The reply is paused for the user's speech (read from any thread: the listener's VAD then ends an
+        utterance on the short interjection silence)."""
+        return self.state is State.INTERRUPTED
+
+    def configure(self, *, turn_taker: Optional[TurnTaker] = None, stop_words_only_silence: Optional[bool] = None,
+                  listen_mode: Optional[str] = None, follow_up_s: Optional[float] = None,
+                  min_silence_ms: Optional[float] = None) -> None:
         """Set the conversation's policies (from ``interruption``, ``listen`` and ``vad`` in the config);
-        safe while running (read at the next event).
+        safe while running: each is one reference swap, read at the next event.
 
+        :param turn_taker: the barge-in decider (``interruption``), built by the caller (it may load a model).
         :param stop_words_only_silence: a stop command alone flushes the reply and starts no turn.
         :param listen_mode: ``always`` or ``wake_word``.
         :param follow_up_s: wake_word mode: after a reply (or a wake word), speech starting within this many
@@ -151,6 +187,8 @@ class Conversation:
         :param min_silence_ms: the VAD's end-of-turn silence, ms (where an utterance's speech ended).
         :raises ValueError: an unknown listen mode.
         """
+        if turn_taker is not None:
+            self.turn_taker = turn_taker
         if stop_words_only_silence is not None:
             self.stop_words_only_silence = bool(stop_words_only_silence)
         if listen_mode is not None:
@@ -172,11 +210,16 @@ class Conversation:
         """``observer(event)`` is called on the conversation thread for every event; it must return fast."""
         self._observers.append(observer)
 
-    def post(self, name: str, **info: Any) -> None:
-        """Queue an event; never blocks. ``info['t']`` defaults to now."""
+    def post(self, name: "Ev | str", **info: Any) -> None:
+        """Queue an event (see :mod:`appliance.events` for the catalogue and the priorities); never blocks.
+        ``info['t']`` defaults to now.
+
+        :raises ValueError: ``name`` is not in the catalogue, or is not an input (in the caller's thread).
+        """
+        event = Event(kind_of(name), info)
         info.setdefault("t", self.clock())
         self._posted += 1
-        self._q.put((name, info))
+        self._q.put(event)
 
     def queue_empty(self) -> bool:
         """Every event posted so far has been handled."""
@@ -189,7 +232,7 @@ class Conversation:
     def stop(self) -> None:
         if self._window_timer is not None:
             self._window_timer.cancel()
-        self._q.put(("_stop", {}))
+        self._q.put_stop()
         if self._thread:
             self._thread.join(timeout=5)
 
@@ -200,19 +243,21 @@ class Conversation:
     # --- the loop ---
     def _run(self) -> None:
         while True:
-            name, info = self._q.get()
-            if name == "_stop":
+            event = self._q.get()
+            if not isinstance(event, Event):  # the shutdown marker
                 return
-            handler = getattr(self, f"_on_{name}", None)
-            try:
-                if handler is not None:
-                    handler(info)
-                else:
-                    self._emit(name, **info)
-            except Exception:  # a bug here must not kill the appliance's only state owner
-                log.exception("conversation: handling %s failed", name)
-            self._handled += 1
-            self._update_idle()
+            self.handle(event)
+
+    def handle(self, event: Event) -> None:
+        """Handle one event on the calling thread (the conversation's own; a test may call it directly)."""
+        try:
+            self._handlers[event.kind](event.info)
+        except Exception:  # a bug here must not kill the appliance's only state owner
+            if self.strict:
+                raise
+            log.exception("conversation: handling %s failed", event.kind.value)
+        self._handled += 1
+        self._update_idle()
 
     def _update_idle(self) -> None:
         if self.state in (State.LISTENING, State.MUTED, State.ERROR) and self._turn is None and self._held is None \
@@ -221,7 +266,7 @@ class Conversation:
         else:
             self.idle.clear()
 
-    def _emit(self, event: str, **info: Any) -> None:
+    def _emit(self, event: Ev, **info: Any) -> None:
         info.setdefault("t", self.clock())
         record = {"t": round(float(info.pop("t")), 4), "event": event, **info}
         for obs in list(self._observers):
@@ -234,39 +279,39 @@ class Conversation:
         if state == self.state:
             return
         prev, self.state = self.state, state
-        self._emit("state", t=self.clock() if t is None else t, state=state.value, previous=prev.value, **info)
+        self._emit(Ev.STATE, t=self.clock() if t is None else t, state=state.value, previous=prev.value, **info)
 
     # --- handlers ---
     def _on_ready(self, info: dict) -> None:
-        self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
+        self._set(State.MUTED if self._muted else State.LISTENING, info["t"])
         if self.listen_mode == "wake_word":
-            self._emit("listen_window", t=info["t"], open=False)
+            self._emit(Ev.LISTEN_WINDOW, t=info["t"], open=False)
 
     def _on_error(self, info: dict) -> None:
         self._held = None
-        self._emit("error", **info)
+        self._emit(Ev.ERROR, **info)
         self._set(State.ERROR, info["t"], reason=info.get("reason", ""))
 
     def _on_engine_error(self, info: dict) -> None:
         """A failed turn: log it, drop the reply, keep listening (the next turn may well work)."""
-        self._emit("engine_error", **info)
+        self._emit(Ev.ENGINE_ERROR, **info)
         if self._turn is not None:
             self._abort_reply(info["t"], reason="engine error")
         if self.state in (State.THINKING, State.SPEAKING, State.INTERRUPTED):
             self._set(State.LISTENING, info["t"])
 
     def _on_recovered(self, info: dict) -> None:
-        self._emit("recovered", **info)
+        self._emit(Ev.RECOVERED, **info)
         if self.state == State.ERROR:
-            self._set(State.MUTED if self.keep_muted else State.LISTENING, info["t"])
+            self._set(State.MUTED if self._muted else State.LISTENING, info["t"])
 
     def _on_mute(self, info: dict) -> None:
         muted = info.get("muted")
-        if muted is None:
-            muted = not self.keep_muted
-        self.keep_muted = bool(muted)
-        if self.state == State.ERROR:  # the error stays on show; the switch applies on recovery
-            self._emit("mute", t=info["t"], muted=self.keep_muted)
+        muted = (not self._muted) if muted is None else bool(muted)
+        if muted != self._muted:
+            self._muted = muted
+            self._emit(Ev.MUTE, t=info["t"], muted=muted, source=info.get("source"))  # the MuteStore keeps it
+        if self.state in (State.ERROR, State.STARTING):  # the error stays on show; the switch applies on recovery
             return
         if muted and self.state != State.MUTED:
             self._abort_reply(info["t"], reason="muted")
@@ -278,10 +323,8 @@ class Conversation:
         """A long press of the button: stop any reply and forget the history (the engine rebuilds its
         cache with the system prompt only, on its own thread)."""
         self._abort_reply(info["t"], reason="new conversation")
-        forget = getattr(getattr(self.engine, "engine", None), "forget", None)
-        if forget is not None and hasattr(self.engine, "call"):
-            self.engine.call(forget)
-        self._emit("new_conversation", **info)
+        self.engine.forget()
+        self._emit(Ev.NEW_CONVERSATION, **info)
         if self.state in (State.THINKING, State.SPEAKING, State.INTERRUPTED):
             self._set(State.LISTENING, info["t"])
 
@@ -292,7 +335,7 @@ class Conversation:
             self._set(State.LISTENING, info["t"])
 
     def _on_vad_onset(self, info: dict) -> None:
-        self._emit("vad_onset", **info)
+        self._emit(Ev.VAD_ONSET, **info)
         if self.state == State.LISTENING:
             self._utterance_onset_t = info["t"]
         if self.state == State.SPEAKING:
@@ -300,11 +343,11 @@ class Conversation:
             self._barge_audio_t = info.get("audio_t")
             if self._turn:
                 self._turn.t_onset = info["t"]
-            self._emit("interrupted", t=self.clock(), onset_t=info["t"])
+            self._emit(Ev.INTERRUPTED, t=self.clock(), onset_t=info["t"])
             self._set(State.INTERRUPTED)
 
     def _on_vad_start(self, info: dict) -> None:
-        self._emit("vad_start", **info)
+        self._emit(Ev.VAD_START, **info)
 
     def _on_vad_progress(self, info: dict) -> None:
         if self.state == State.INTERRUPTED:
@@ -315,7 +358,7 @@ class Conversation:
     def _on_vad_reject(self, info: dict) -> None:
         audio = info.pop("audio", None)
         transcript = info.pop("transcript", None)
-        self._emit("vad_reject", **info)
+        self._emit(Ev.VAD_REJECT, **info)
         if self.state == State.INTERRUPTED:
             # Too short to be confirmed as speech: a noise, a backchannel, or a short "Stop." — the
             # classifier hears it; only a stop word flushes (and is then the next user turn).
@@ -338,7 +381,7 @@ class Conversation:
     def _on_vad_end(self, info: dict) -> None:
         audio = info.pop("audio", None)
         transcript = info.pop("transcript", None)
-        self._emit("vad_end", **info)
+        self._emit(Ev.VAD_END, **info)
         if self.state == State.INTERRUPTED:
             decision = self.turn_taker.at_end(info.get("speech_ms", 0.0), audio, transcript)
             if decision == BargeInDecision.RESUME:
@@ -366,9 +409,9 @@ class Conversation:
         if self._held is not None and self.state == State.LISTENING:
             held_info, audio, transcript, stop_command = self._held
             self._held = None
-            self._emit("vad_settled", **info)
+            self._emit(Ev.VAD_SETTLED, **info)
             if stop_command and self.stop_words_only_silence:
-                self._emit("stopped", t=info["t"], heard=self.turn_taker_hypothesis(), transcript=transcript)
+                self._emit(Ev.STOPPED, t=info["t"], heard=self.turn_taker_hypothesis(), transcript=transcript)
                 self._open_window(info["t"])
                 return
             self._start_turn({**held_info, "t": info["t"]}, audio, transcript)
@@ -377,7 +420,7 @@ class Conversation:
         """Keep a flushing interjection ("Wait,") until the user stops or goes on ("… stop.")."""
         stop_command = self.turn_taker.last_was_stop_command()
         self._held = (info, audio, transcript, stop_command)
-        self._emit("held", t=info["t"], speech_ms=info.get("speech_ms"), stop_command=stop_command)
+        self._emit(Ev.HELD, t=info["t"], speech_ms=info.get("speech_ms"), stop_command=stop_command)
 
     def _join_held(self, audio: Optional[np.ndarray], transcript: Optional[str]):
         """The held interjection, a short gap, then the utterance that followed it: one turn."""
@@ -408,18 +451,18 @@ class Conversation:
     def _on_llm_first_token(self, info: dict) -> None:
         if self._turn and info.get("reply_id") == self._turn.reply_id:
             self._turn.t_first_token = info["t"]
-            self._emit("llm_first_token", **info)
+            self._emit(Ev.LLM_FIRST_TOKEN, **info)
 
     def _on_llm_done(self, info: dict) -> None:
         if self._turn and info.get("reply_id") == self._turn.reply_id:
             self._turn.generated = info.get("text", "")
             self._turn.metrics.update({k: info[k] for k in ("prefill_tokens", "generated_tokens", "input") if k in info})
-        self._emit("llm_done", **info)
+        self._emit(Ev.LLM_DONE, **info)
 
     def _on_tts_first_audio(self, info: dict) -> None:
         if self._turn and info.get("reply_id") == self._turn.reply_id:
             self._turn.t_first_audio = info["t"]
-            self._emit("tts_first_audio", **info)
+            self._emit(Ev.TTS_FIRST_AUDIO, **info)
             if self.state == State.THINKING:
                 self._set(State.SPEAKING, info["t"])
 
@@ -434,7 +477,7 @@ class Conversation:
     # --- listening window (wake_word mode) ---
     def _on_wake(self, info: dict) -> None:
         """The wake-word detector heard its phrase (``audio_t``: where, in the microphone's time, s)."""
-        self._emit("wake", **info)
+        self._emit(Ev.WAKE, **info)
         if self.listen_mode != "wake_word" or self.state in (State.MUTED, State.ERROR):
             return
         self._wake_t = info.get("audio_t")
@@ -443,13 +486,13 @@ class Conversation:
     def _on_window_check(self, info: dict) -> None:
         if self.listen_mode == "wake_word" and self._window_timer is not None and self.clock() >= self._window_until:
             self._window_timer = None
-            self._emit("listen_window", t=info["t"], open=False)
+            self._emit(Ev.LISTEN_WINDOW, t=info["t"], open=False)
 
     def _open_window(self, t: float) -> None:
         if self.listen_mode != "wake_word":
             return
         self._window_until = t + self.follow_up_s
-        self._emit("listen_window", t=t, open=True, until=round(self._window_until, 4))
+        self._emit(Ev.LISTEN_WINDOW, t=t, open=True, until=round(self._window_until, 4))
         if self._window_timer is not None:
             self._window_timer.cancel()
         self._window_timer = threading.Timer(self.follow_up_s + 0.01, lambda: self.post("window_check"))
@@ -470,22 +513,22 @@ class Conversation:
         if wake is not None and audio_t is not None:
             speech_end = audio_t - self.min_silence_s
             if speech_end - wake < WAKE_ONLY_TAIL_S:
-                self._emit("ignored", t=info["t"], reason="the wake word alone: listening for the question")
+                self._emit(Ev.IGNORED, t=info["t"], reason="the wake word alone: listening for the question")
                 return False
             return True
         if onset < self._window_until:
             return True
-        self._emit("ignored", t=info["t"], reason="no wake word")
+        self._emit(Ev.IGNORED, t=info["t"], reason="no wake word")
         return False
 
     def _on_silent(self, info: dict) -> None:
         if self.state == State.INTERRUPTED or info.get("flushed"):
-            self._emit("output_silent", **info)
+            self._emit(Ev.OUTPUT_SILENT, **info)
 
     # --- helpers ---
     def _resume(self, t: float, **why: Any) -> None:
         self.playback.resume()
-        self._emit("resumed", t=t, **why)
+        self._emit(Ev.RESUMED, t=t, **why)
         self._set(State.SPEAKING, t)
 
     def _flush(self, t: float, reason: str) -> None:
@@ -506,7 +549,7 @@ class Conversation:
         spoken = self.playback.spoken_text()
         remembered = cut_reply(spoken)
         self.engine.commit(self._turn.reply_id, remembered, complete=False)
-        self._emit("flushed", t=t, reason=reason, dropped_samples=dropped, spoken=spoken,
+        self._emit(Ev.FLUSHED, t=t, reason=reason, dropped_samples=dropped, spoken=spoken,
                    synthesized=self.playback.full_text(), remembered=remembered)
         self._end_turn(t, spoken)
 
@@ -535,7 +578,7 @@ class Conversation:
         self.turns.append(metrics)
         if self.keep_turns is not None:
             del self.turns[: -self.keep_turns]
-        self._emit("turn_end", t=t, text=text, **{k: v for k, v in metrics.items() if k != "reply_id"}, reply_id=turn.reply_id)
+        self._emit(Ev.TURN_END, t=t, text=text, **{k: v for k, v in metrics.items() if k != "reply_id"}, reply_id=turn.reply_id)
 
 
 def cut_reply(spoken: str) -> str:

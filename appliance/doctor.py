@@ -39,7 +39,7 @@ import numpy as np
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load
 from .errors import UserError
 from .gguf import KV_KEYS as _KV_KEYS
-from .gguf import GgufInfo, kv_cache_bytes, read_gguf  # noqa: F401  (read_gguf: also for config and engine)
+from .gguf import GgufInfo, kv_cache_bytes, read_gguf
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 

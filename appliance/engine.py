@@ -165,7 +165,7 @@ USER_AUDIO_PLACEHOLDER = "(spoken)"
 
 def _gguf_architecture(path: Path) -> Optional[str]:
     """``general.architecture`` from the GGUF header (None if it cannot be read: llama.cpp then says why)."""
-    from .doctor import read_gguf
+    from .gguf import read_gguf
 
     try:
         return str(read_gguf(path).meta.get("general.architecture") or "")
@@ -823,6 +823,10 @@ class EngineWorker:
 
     def commit(self, reply_id: int, spoken_text: str, complete: bool) -> None:
         self._q.put(("commit", reply_id, spoken_text, complete))
+
+    def forget(self) -> None:
+        """Drop the history (a new conversation), on the engine thread after the jobs already queued."""
+        self.call(lambda: self.engine.forget())
 
     def call(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread after the queued jobs (e.g. a rebuild while idle)."""

@@ -25,14 +25,14 @@ from typing import Optional
 
 import numpy as np
 
+from .audio.files import MODEL_RATE
 from .errors import UserError
 
-RATE = 16000
 WINDOW_S = 8  # Smart Turn looks at the last 8 s
 N_FFT = 400
 HOP = 160
 N_MELS = 80
-N_FRAMES = WINDOW_S * RATE // HOP  # 800
+N_FRAMES = WINDOW_S * MODEL_RATE // HOP  # 800
 MODEL_FILE = "audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"
 MODEL_SHA256 = "2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f"  # pipecat-ai 1.14.0
 
@@ -48,7 +48,7 @@ def _mel_to_hz(m: np.ndarray) -> np.ndarray:
     return np.where(m < 15.0, 200.0 * m / 3.0, 1000.0 * np.exp((m - 15.0) * np.log(6.4) / 27.0))
 
 
-def mel_filterbank(n_mels: int = N_MELS, n_fft: int = N_FFT, rate: int = RATE) -> np.ndarray:
+def mel_filterbank(n_mels: int = N_MELS, n_fft: int = N_FFT, rate: int = MODEL_RATE) -> np.ndarray:
     """Triangular mel filters on the Slaney scale, each scaled to unit area (``2 / (f_high - f_low)``), from
     0 Hz to ``rate / 2``: float64 [n_fft // 2 + 1, n_mels] (STFT bin × mel band)."""
     bins = np.linspace(0.0, rate / 2.0, n_fft // 2 + 1)
@@ -70,8 +70,8 @@ def log_mel_features(audio: np.ndarray) -> np.ndarray:
         the last 8 s.
     :returns: float32 [80, 800] (mel band × 10 ms frame), roughly in [-1, 1].
     """
-    x = np.asarray(audio, dtype=np.float32).reshape(-1)[-WINDOW_S * RATE:]
-    x = np.concatenate([np.zeros(WINDOW_S * RATE - len(x), np.float32), x])
+    x = np.asarray(audio, dtype=np.float32).reshape(-1)[-WINDOW_S * MODEL_RATE:]
+    x = np.concatenate([np.zeros(WINDOW_S * MODEL_RATE - len(x), np.float32), x])
     x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
     padded = np.pad(x.astype(np.float64), N_FFT // 2, mode="reflect")
     frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP]  # [801, 400]

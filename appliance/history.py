@@ -128,10 +128,10 @@ class HistoryStore:
     def _write_audio(self, audio: Optional[np.ndarray]) -> Optional[str]:
         if audio is None or not self.keep_audio or not len(audio):
             return None
-        from .audio.files import write_wav
+        from .audio.files import MODEL_RATE, write_wav
 
         p = self.dir / "audio" / f"{int(time.time())}-{uuid.uuid4().hex[:8]}.wav"
-        write_wav(p, audio, 16000)
+        write_wav(p, audio, MODEL_RATE)
         return str(p)
 
     def messages(self) -> list[StoredMessage]:

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .events import Ev
+
 log = logging.getLogger(__name__)
 
 # state: (pattern on a single LED, pattern on an RGB LED, colour on an RGB LED). Patterns:
@@ -177,9 +179,9 @@ class Indicators:
         """Conversation observer: follow ``state`` and ``listen_window`` events. While listening with the
         window closed (``listen.mode: wake_word``) the LEDs show ``wake_word``."""
         event = record.get("event")
-        if event in ("state", "listen_window"):
+        if event in (Ev.STATE, Ev.LISTEN_WINDOW):
             with self._lock:
-                if event == "state":
+                if event == Ev.STATE:
                     self.state = record["state"]
                 else:
                     self.window_open = bool(record.get("open"))
@@ -228,7 +230,7 @@ class Indicators:
         self._held = True
         self.presses.append("new_conversation")
         log.info("button: long press: new conversation")
-        self.post("new_conversation", source="button")
+        self.post(Ev.NEW_CONVERSATION, source="button")
 
     def _on_released(self) -> None:
         now = time.monotonic()
@@ -242,10 +244,10 @@ class Indicators:
             return
         if self.state in BUSY:
             self.presses.append("stop_reply")
-            self.post("stop_reply", source="button")
+            self.post(Ev.STOP_REPLY, source="button")
         else:
             self.presses.append("mute")
-            self.post("mute", source="button")  # toggles
+            self.post(Ev.MUTE, source="button")  # toggles
 
     def close(self) -> None:
         with self._lock:
@@ -273,6 +275,65 @@ class _NoIndicators:
 
     def close(self) -> None:
         pass
+
+
+class Panel:
+    """The LEDs and the button for the running service, across reloads: a conversation observer
+    (``panel(record)``) whose pins :meth:`configure` can change.
+
+    :param gpio: the ``gpio`` section; :func:`create` decides between real devices and none.
+    :param post: the conversation's ``post(event, **info)`` (the button's presses).
+    :param pin_factory: a gpiozero pin factory (``MockFactory`` in tests); None = gpiozero's default.
+    """
+
+    section = "gpio"  # Session.apply hands this observer the config's ``gpio`` section
+
+    def __init__(self, gpio, post: Callable[..., None], pin_factory=None):
+        self.gpio = gpio
+        self.post = post
+        self.factory = pin_factory
+        self.inner = create(gpio, post, pin_factory)
+        self._state: Optional[str] = None  # the conversation's last state, shown again on new pins
+
+    def __call__(self, record: dict) -> None:
+        if record.get("event") == "state":
+            self._state = record["state"]
+        self.inner.observe(record)
+
+    observe = __call__
+
+    @property
+    def state(self) -> str:
+        return self.inner.state
+
+    def show(self, state: str) -> None:
+        self.inner.show(state)
+
+    def flash(self, state: str, seconds: float) -> None:
+        self.inner.flash(state, seconds)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def configure(self, gpio) -> None:
+        """Move to the pins of a new ``gpio`` section. The old devices are released first (the new pins may
+        overlap them); if the new ones cannot be had, the old ones are taken again and shown as before.
+
+        :raises UserError: the new pins cannot be used (the old ones are in use again).
+        """
+        from .errors import UserError
+
+        self.inner.close()
+        try:
+            self.inner = create(gpio, self.post, self.factory, strict=True)
+            self.gpio = gpio
+        except Exception as exc:
+            self.inner = create(self.gpio, self.post, self.factory)
+            raise UserError(f"gpio: the new pins cannot be used ({exc.__class__.__name__}: {exc}); "
+                            "keeping the old ones") from None
+        finally:
+            if self._state is not None:
+                self.inner.observe({"event": "state", "state": self._state})
 
 
 _warned: set[str] = set()

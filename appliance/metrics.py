@@ -42,9 +42,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Optional, TextIO
+from typing import Iterable, Optional, TextIO
 
 from .errors import UserError
+from .events import Ev
 
 MARKER = "turn_metrics"
 METRICS_FILE = "metrics.jsonl"
@@ -105,9 +106,6 @@ class TurnMetrics:
     :param path: JSONL file to append to (its directory is created), or None for none.
     :param stream: where the ``turn_metrics`` line goes (default ``sys.stdout``), or None for nowhere.
     :param timestamps: prefix the line with local time; default: only when not under systemd.
-    :param xruns: optional callable returning a cumulative xrun count; its increase over a turn is added
-        to the ``xruns`` of the ``turn_end`` record (what ``Conversation.turn_stats`` reports) and to the
-        ``xrun`` events seen (``post("xrun", count=n)``).
     :param keep: how many turns :attr:`turns` keeps: None all (reading a file back), 0 none (the
         service, which runs for months: a list of every turn would grow without end).
 
@@ -116,14 +114,10 @@ class TurnMetrics:
     """
 
     def __init__(self, path: Optional[str | Path] = None, stream: Optional[TextIO] = sys.stdout,
-                 timestamps: Optional[bool] = None, xruns: Optional[Callable[[], int]] = None,
-                 keep: Optional[int] = None):
+                 timestamps: Optional[bool] = None, keep: Optional[int] = None):
         self.path = Path(path) if path else None
         self.stream = stream
         self.timestamps = (not under_systemd()) if timestamps is None else timestamps
-        self._xrun_source = xruns
-        self._xrun_base = xruns() if xruns else 0
-        self._xruns = 0
         self._pause_onset: Optional[float] = None
         self._barge_in_ms: Optional[float] = None
         self._barge_ins = 0
@@ -134,26 +128,20 @@ class TurnMetrics:
 
     def __call__(self, record: dict) -> None:
         event = record.get("event")
-        if event == "interrupted":
+        if event == Ev.INTERRUPTED:
             self._pause_onset = float(record.get("onset_t", record["t"]))
             self._barge_ins += 1
-        elif event == "output_silent" and self._pause_onset is not None:
+        elif event == Ev.OUTPUT_SILENT and self._pause_onset is not None:
             self._barge_in_ms = round((float(record["t"]) - self._pause_onset) * 1000.0, 1)
             self._pause_onset = None
-        elif event == "xrun":
-            self._xruns += int(record.get("count", 1))
-        elif event == "turn_end":
+        elif event == Ev.TURN_END:
             self._turn_end(record)
 
     def _turn_end(self, record: dict) -> None:
-        xruns = int(record.get("xruns") or 0) + self._xruns  # the service's turn_stats put them in turn_end
-        if self._xrun_source is not None:
-            now = self._xrun_source()
-            xruns += max(0, now - self._xrun_base)
-            self._xrun_base = now
+        xruns = int(record.get("xruns") or 0)  # the sound devices' count (the port's stats, in turn_end)
         metrics = {k: record.get(k) for k in KEYS}
         metrics.update(barge_in_ms=self._barge_in_ms, barge_ins=self._barge_ins, xruns=xruns)
-        self._xruns, self._barge_in_ms, self._barge_ins, self._pause_onset = 0, None, 0, None
+        self._barge_in_ms, self._barge_ins, self._pause_onset = None, 0, None
         metrics = {k: v for k, v in metrics.items() if v is not None}
         if self.keep is None or self.keep > 0:
             self.turns.append(metrics)

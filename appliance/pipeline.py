@@ -1,8 +1,10 @@
-"""The appliance assembled: capture → (echo canceller) → VAD → conversation → engine → sentence splitter →
-TTS → playback, with the audio backend (sound devices or the simulated room) at both ends.
+"""The appliance's parts around the conversation: capture → (echo canceller) → VAD (:class:`Listener`),
+clauses → Piper → playback (:class:`TtsWorker`), the :class:`Timeline` observer, and the loaded models
+(:class:`Parts`). :class:`appliance.session.Session` assembles them.
 
-Threads: the audio backend's callbacks (copy only), ``listener`` (echo cancellation and VAD),
-``conversation`` (the state), ``engine`` (llama.cpp) and ``tts`` (Piper). They talk through queues.
+Threads (each started by its part's ``start()``): the audio backend's callbacks (copy only), ``listener``
+(echo cancellation and VAD), ``conversation`` (the state), ``engine`` (llama.cpp) and ``tts`` (Piper). They
+talk through queues.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from .config import Config
-from .conversation import Conversation, State
-from .engine import Engine, EngineWorker
+from .engine import Engine
+from .events import Ev
 from .speech import Tts
 from .audio.files import MODEL_RATE, resample
 from .playback import Playback
-from .turns import turn_taker_from_config
 from .vad import SileroVad, VadSegmenter
 
 if TYPE_CHECKING:
@@ -78,28 +79,46 @@ def _embedded_path_if_built() -> Optional[Path]:
     return g.default_output_path()
 
 
+_KEEP = object()  # "not given" for Listener.configure (None means "none")
+
+
 class Listener:
     """Consumes microphone blocks: echo cancellation (if any), VAD, events to the conversation.
+
+    Its thread (started by :meth:`start`) owns the segmenter, the canceller and the wake-word detector: every
+    change to them (:meth:`configure`) is queued and made there, between two blocks.
 
     :param segmenter: the VAD hysteresis.
     :param post: the conversation's ``post``.
     :param echo: optional canceller with ``process(mic, far_end) -> mic`` on 10 ms blocks at 16 kHz.
     :param transcript_at: optional ``f(sample) -> text`` (the scenario's transcript, for text-only models).
+    :param muted: ``() -> bool``, read per block: the mute switch (the conversation's); a muted microphone
+        reaches neither the VAD nor the model.
+    :param interjecting: ``() -> bool``, read per block: the reply is paused for the user (the conversation
+        is ``interrupted``), so a short silence ends the interjection.
     """
 
     def __init__(self, segmenter: VadSegmenter, post: Callable[..., None], echo=None,
-                 transcript_at: Optional[Callable[[int], Optional[str]]] = None):
+                 transcript_at: Optional[Callable[[int], Optional[str]]] = None, *,
+                 muted: Callable[[], bool] = lambda: False, interjecting: Callable[[], bool] = lambda: False):
         self.segmenter = segmenter
         self.post = post
         self.echo = echo
         self.transcript_at = transcript_at
-        self.muted = False
         self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
-        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._muted = muted
+        self._interjecting = interjecting
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._n = 0
         self._captured = self._done = 0
         self._onset_sample = 0
         self._bind_gate()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Start the listener's thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the listener was started already")
         self._thread = threading.Thread(target=self._run, name="listener", daemon=True)
         self._thread.start()
 
@@ -110,15 +129,35 @@ class Listener:
         e = self.echo
         self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None))
 
-    def use_echo(self, echo) -> None:
-        """Replace the echo canceller (None: none) from the next block on, in the listener's own thread: a
-        device reopened or a reload rebuilt it, so the echo path is new and the canceller starts cold."""
-        self._q.put(("echo", echo))
+    def configure(self, *, vad=None, interruption=None, end_of_turn=_KEEP, wake=_KEEP, echo=_KEEP) -> None:
+        """Hand the listener new settings, applied in its own thread before the next block (at once when it
+        is not running).
 
-    def configure(self, *, wake=None) -> None:
-        """``wake``: a :class:`~appliance.wake.WakeWordDetector` fed with the echo-cancelled microphone
-        (its detections are posted as ``wake``), or None."""
-        self.wake = wake
+        :param vad: the ``vad`` section (thresholds and timings of the hysteresis); with ``interruption``
+            (its ``interjection_silence_ms``); give both or neither.
+        :param end_of_turn: ``f(audio) -> probability`` (Smart Turn) or None for the silence rule alone.
+        :param wake: a :class:`~appliance.wake.WakeWordDetector` fed with the echo-cancelled microphone (its
+            detections are posted as ``wake``), or None.
+        :param echo: a new canceller, or None for none: a device reopened or a reload rebuilt it, so the echo
+            path is new and the canceller starts cold; it is bound to the VAD's onset gate.
+        """
+        def apply() -> None:
+            if vad is not None:
+                self.segmenter.configure(vad.threshold, vad.min_speech_ms, vad.min_silence_ms, vad.max_utterance_s,
+                                         interruption.interjection_silence_ms, vad.short_stop_ms,
+                                         vad.end_of_turn_threshold, vad.max_silence_ms)
+            if end_of_turn is not _KEEP:
+                self.segmenter.use_end_of_turn(end_of_turn)
+            if wake is not _KEEP:
+                self.wake = wake
+            if echo is not _KEEP:
+                self.echo = echo
+                self._bind_gate()
+
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(apply)
+        else:
+            apply()
 
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
@@ -130,17 +169,17 @@ class Listener:
         return self._done >= self._captured
 
     def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            if isinstance(item[0], str):  # ("echo", canceller): a control message, not audio
-                self.echo = item[1]
-                self._bind_gate()
+            if callable(item):  # a change of settings (configure), not audio
+                item()
                 continue
             try:
                 self._process(*item)
@@ -149,33 +188,35 @@ class Listener:
 
     def _process(self, mic: np.ndarray, far: Optional[np.ndarray]) -> None:
         self._n += len(mic)
-        if self.muted:
+        if self._muted():
             return  # a muted microphone reaches neither the VAD nor the model
+        # While the reply is paused for the user, a short silence ends the interjection (then decide).
+        self.segmenter.interjecting = self._interjecting()
         if self.echo is not None and far is not None:
             mic = self.echo.process(mic, far)
         wake = self.wake
         if wake is not None:
             for sample in wake.process(mic):
-                self.post("wake", audio_t=round(sample / MODEL_RATE, 3), word=wake.name)
+                self.post(Ev.WAKE, audio_t=round(sample / MODEL_RATE, 3), word=wake.name)
         was_confirmed = self.segmenter.confirmed
         for ev in self.segmenter.push(mic):
             audio_t = ev.t_sample / MODEL_RATE
             if ev.kind == "onset":
                 self._onset_sample = ev.t_sample
-                self.post("vad_onset", audio_t=audio_t, prob=round(ev.prob, 3))
+                self.post(Ev.VAD_ONSET, audio_t=audio_t, prob=round(ev.prob, 3))
             elif ev.kind == "start":
-                self.post("vad_start", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
+                self.post(Ev.VAD_START, audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
             elif ev.kind in ("reject", "end"):
                 transcript = self.transcript_at(self._onset_sample) if self.transcript_at else None
                 eot = {} if ev.eot_prob is None else {"eot_prob": round(ev.eot_prob, 3)}
                 if ev.kind == "end":
                     eot["silence_ms"] = round(ev.silence_ms, 1)
-                self.post(f"vad_{ev.kind}", audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
+                self.post(Ev.VAD_END if ev.kind == "end" else Ev.VAD_REJECT, audio_t=audio_t, speech_ms=round(ev.speech_ms, 1), audio=ev.audio,
                           transcript=transcript, **eot)
             elif ev.kind == "settled":
-                self.post("vad_settled", audio_t=audio_t)
+                self.post(Ev.VAD_SETTLED, audio_t=audio_t)
         if was_confirmed and self.segmenter.confirmed:
-            self.post("vad_progress", speech_ms=self.segmenter.speech_ms)
+            self.post(Ev.VAD_PROGRESS, speech_ms=self.segmenter.speech_ms)
 
 
 class TtsWorker:
@@ -194,15 +235,27 @@ class TtsWorker:
         self._started: set[int] = set()
         self.synth_s = 0.0
         self.audio_s = 0.0
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Start the worker's thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the TTS worker was started already")
         self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
         self._thread.start()
+
+    def configure(self, tts: Tts) -> None:
+        """Speak with ``tts`` (a new ``voice``, loaded by the caller) from the next clause on; the clause being
+        synthesised finishes in the old voice."""
+        self.tts = tts  # one reference swap, read once per clause
 
     def on_clause(self, reply_id: int, text: Optional[str]) -> None:
         self._q.put((reply_id, text))
 
     def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while True:
@@ -210,30 +263,31 @@ class TtsWorker:
             if item is None:
                 return
             reply_id, text = item
+            tts = self.tts
             if reply_id != self.current_reply():
                 continue
             if text is None:
                 self.playback.end_reply(reply_id)
                 continue
-            text = self.tts.clean(text)
+            text = tts.clean(text)
             if not text:
                 continue
             try:
                 t0 = time.perf_counter()
-                chunks = list(self.tts.synthesize(text))
+                chunks = list(tts.synthesize(text))
                 self.synth_s += time.perf_counter() - t0
             except Exception as exc:  # a TTS failure must not stop the appliance
                 log.exception("tts failed on %r", text)
-                self.post("tts_error", reason=f"{exc.__class__.__name__}: {exc}")
+                self.post(Ev.TTS_ERROR, reason=f"{exc.__class__.__name__}: {exc}")
                 continue
             if not chunks:
                 continue
-            audio = resample(np.concatenate(chunks), self.tts.sample_rate, self.playback.sample_rate)
+            audio = resample(np.concatenate(chunks), tts.sample_rate, self.playback.sample_rate)
             self.audio_s += len(audio) / self.playback.sample_rate
             if self.playback.enqueue(reply_id, audio, text) and reply_id not in self._started:
                 self._started = {r for r in self._started if r > reply_id - 100}  # replies are numbered in order
                 self._started.add(reply_id)
-                self.post("tts_first_audio", reply_id=reply_id)
+                self.post(Ev.TTS_FIRST_AUDIO, reply_id=reply_id)
 
 
 class Timeline:
@@ -306,16 +360,6 @@ class Parts:
         return cls(engine, tts, SileroVad(), load_end_of_turn(cfg))
 
 
-def configure_segmenter(segmenter: VadSegmenter, cfg: Config, parts: Parts) -> None:
-    """Hand ``cfg.vad`` (and the interjection's silence) and the end-of-turn model to the segmenter."""
-    v = cfg.vad
-    segmenter.configure(v.threshold, v.min_speech_ms, v.min_silence_ms, v.max_utterance_s,
-                        cfg.interruption.interjection_silence_ms, v.short_stop_ms, v.end_of_turn_threshold,
-                        v.max_silence_ms)
-    use = v.end_of_turn == "smart_turn" and parts.eot is not None
-    segmenter.use_end_of_turn(parts.eot.probability if use else None)
-
-
 def load_end_of_turn(cfg: Config) -> Optional["SmartTurn"]:
     """The end-of-turn model ``vad.end_of_turn`` names (Smart Turn v3.2), or None for the silence rule.
 
@@ -326,68 +370,3 @@ def load_end_of_turn(cfg: Config) -> Optional["SmartTurn"]:
     from .eot import SmartTurn
 
     return SmartTurn()
-
-
-class Session:
-    """One running appliance: the state machine and its workers around loaded :class:`Parts`.
-
-    :param out_rate: the playback rate (the output device's rate, or 16 kHz in the simulated room).
-    """
-
-    def __init__(self, cfg: Config, parts: Parts, out_rate: int, echo=None,
-                 transcript_at: Optional[Callable[[int], Optional[str]]] = None,
-                 clock: Optional[Callable[[], float]] = None):
-        self.cfg = cfg
-        self.parts = parts
-        self.playback = Playback(out_rate, cfg.interruption.fade_ms, on_event=self._from_playback)
-        turn_taker = turn_taker_from_config(cfg)
-        from .assistant import turn_context_source
-
-        from .ear import SpokenReply
-
-        self.engine_worker = EngineWorker(parts.engine, post=self._post, on_clause=self._on_clause, split=SpokenReply)
-        self.engine_worker.configure(context=turn_context_source(cfg))
-        self.conversation = Conversation(self.playback, self.engine_worker, turn_taker, clock=clock)
-        self.conversation.configure(stop_words_only_silence=cfg.interruption.stop_words_only_silence,
-                                    listen_mode=cfg.listen.mode, follow_up_s=cfg.listen.follow_up_s,
-                                    min_silence_ms=cfg.vad.min_silence_ms)
-        self.tts_worker = TtsWorker(parts.tts, self.playback, self._post, lambda: self.conversation.current_reply_id)
-        parts.vad.reset()
-        self.segmenter = VadSegmenter(parts.vad)
-        configure_segmenter(self.segmenter, cfg, parts)
-        if echo is None:
-            from .audio.echo import from_config
-
-            echo = from_config(cfg)
-        self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
-        from .wake import detector_from_config
-
-        self.listener.configure(wake=detector_from_config(cfg))
-        self.conversation.subscribe(self._on_state)
-
-    # Indirections so that the workers can be built before the conversation exists.
-    def _post(self, name: str, **info) -> None:
-        self.conversation.post(name, **info)
-
-    def _on_clause(self, reply_id: int, text: Optional[str]) -> None:
-        self.tts_worker.on_clause(reply_id, text)
-
-    def _from_playback(self, name: str, **info) -> None:
-        self.conversation.post(name, **info)
-
-    def _on_state(self, record: dict) -> None:
-        if record.get("event") == "state":
-            self.listener.muted = record["state"] == State.MUTED.value
-            # While the reply is paused for the user, a short silence ends the interjection (then decide).
-            self.segmenter.interjecting = record["state"] == State.INTERRUPTED.value
-
-    def start(self) -> None:
-        self.conversation.start()
-        self.conversation.post("ready")
-
-    def stop(self) -> None:
-        self.listener.stop()
-        self.engine_worker.cancel(self.conversation.current_reply_id)
-        self.conversation.stop()
-        self.tts_worker.stop()
-        self.engine_worker.stop()

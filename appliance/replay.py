@@ -7,17 +7,19 @@ Writes ``DIR/reply.wav`` (everything the appliance said, on the input's timeline
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from .audio.backends import open_port
 from .audio.files import MODEL_RATE, first_above, write_wav
-from .audio.room import Scenario, SimulatedRoom
+from .audio.room import Scenario
 from .config import Config
 from .errors import UserError
-from .pipeline import Parts, Session, Timeline
+from .events import Ev
+from .pipeline import Parts, Timeline
+from .session import Session
 
 SILENT_PEAK = 10 ** (-50 / 20)  # below -50 dBFS peak counts as silence
 
@@ -86,39 +88,18 @@ def resumes(records: list[dict]) -> list[dict]:
 
 
 def check_transcripts(scenario: Scenario, input_path: str | Path) -> None:
-    """A text-only model needs the text of every utterance. Raises :class:`UserError` naming the fix."""
-    missing = [i for i, e in enumerate(scenario.events, 1) if not e.text]
+    """A text-only model needs the text of every utterance (an event marked ``speech: false``, a noise, has
+    none and needs none: if the VAD takes it for a turn, the engine drops it with one warning). Raises
+    :class:`UserError` naming the fix."""
+    missing = [i for i, e in enumerate(scenario.events, 1) if e.speech and not e.text]
     if not missing:
         return
     if Path(input_path).suffix.lower() not in (".yaml", ".yml"):
         raise UserError(f"{input_path}: the model is text-only and cannot hear this WAV; pass --transcript "
                         "\"what it says\" (or give a model with an audio projector)")
     raise UserError(f"{input_path}: the model is text-only and event(s) {missing} have no `text:` transcript; "
-                    "add `text:` to each event (or give a model with an audio projector)")
-
-
-def _waiting_capture(session: Session, capture: Callable, max_wait_s: float = 60.0) -> Callable:
-    """``--fast``: a capture that returns only when the pipeline has caught up with the room: the block is
-    through the VAD, the state machine has handled what it posted, and, while the appliance thinks or
-    speaks, the next audio of the reply exists (a person would be waiting for it in real time)."""
-    conv, listener, playback = session.conversation, session.listener, session.playback
-
-    def settled() -> bool:
-        if not listener.idle() or not conv.queue_empty():
-            return False
-        if conv.state.value == "thinking":
-            return False
-        if conv.state.value == "speaking" and playback.pending_samples == 0:
-            return False
-        return True
-
-    def wait_capture(mic, far):
-        capture(mic, far)
-        deadline = time.monotonic() + max_wait_s
-        while not settled() and time.monotonic() < deadline:
-            time.sleep(0.002)
-
-    return wait_capture
+                    "add `text:` to each event, or `speech: false` to an event that is a noise (or give a model "
+                    "with an audio projector)")
 
 
 def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Config, *, paced: bool = True,
@@ -144,23 +125,13 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
     except OSError as exc:
         raise UserError(f"{out}: cannot create the output directory ({exc.strerror})") from None
     timeline = Timeline(out / "timeline.jsonl", echo=print_line)
-    holder: dict = {}
-    if paced:
-        clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
-    else:  # unpaced: the room's own sample clock, so the timeline still lines up with reply.wav
-        clock = lambda: holder["room"].n / MODEL_RATE  # noqa: E731
-    session = Session(cfg, parts, out_rate=MODEL_RATE, echo=echo,
-                      transcript_at=None if hears else scenario.transcript_at, clock=clock)
-    capture = session.listener.capture if paced else _waiting_capture(session, session.listener.capture)
-    room = SimulatedRoom(scenario, session.playback.read, capture, on_event=timeline, paced=paced)
-    holder["room"] = room
-    session.conversation.subscribe(timeline)
-    session.conversation.subscribe(room.observe)
     from .metrics import METRICS_FILE, TurnMetrics  # one record per turn, as the service writes them
     (out / METRICS_FILE).unlink(missing_ok=True)
-    session.conversation.subscribe(TurnMetrics(out / METRICS_FILE, stream=None))
-    room.t0 = time.monotonic()
-    timeline({"t": 0.0, "event": "replay_start", "input": str(input_path), "model": parts.engine.model_path.name,
+    port = open_port(cfg, MODEL_RATE, "room", scenario=scenario, on_event=timeline, paced=paced)
+    session = Session(cfg, parts, port, [timeline, TurnMetrics(out / METRICS_FILE, stream=None)], echo=echo,
+                      transcript_at=None if hears else scenario.transcript_at)
+    room = port.room
+    timeline({"t": 0.0, "event": Ev.REPLAY_START, "input": str(input_path), "model": parts.engine.model_path.name,
               "hears_audio": hears, "heard_as": "audio" if hears else "transcript (text-only model)",
               "paced": paced})
     session.start()
@@ -176,10 +147,10 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
         return (room.n - idle_since[0]) >= idle_tail_s * MODEL_RATE
 
     try:
-        room.run(done, max_seconds=max_seconds)
+        port.run(done, max_seconds=max_seconds)
     finally:
         session.stop()
-        timeline({"t": round(room.n / MODEL_RATE, 4), "event": "replay_end"})
+        timeline({"t": round(room.n / MODEL_RATE, 4), "event": Ev.REPLAY_END})
         timeline.close()
     output = room.output_audio()
     write_wav(out / "reply.wav", output, MODEL_RATE)

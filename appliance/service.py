@@ -8,9 +8,12 @@
 - ``SIGHUP`` (``systemctl reload``) reloads config.yaml: a valid new config is applied without dropping
   the conversation (the engine keeps its history): sound devices reopened, the echo canceller rebuilt
   (cold: see audio/echo.py), VAD thresholds, barge-in
-  timing, voice, LED and button pins; a new model loads in the background and takes over, with the
-  history, when ready. An invalid config is rejected as a whole: the running config stays, the log says
-  why in one line, and the LEDs show ``config_error`` for a few seconds.
+  timing, voice, LED and button pins (:meth:`appliance.session.Session.apply`); a new model loads in the
+  background and takes over, with the history, when ready. An invalid config is rejected as a whole: the
+  running config stays, the log says why in one line, and the LEDs show ``config_error`` for a few seconds.
+  The one exception: new LED or button pins that cannot be had (in use, no such pin) once the rest has been
+  applied leave the old pins working, and the log and the LEDs say so (the old pins must be released
+  before new ones that overlap them can be taken, so they cannot be tried beforehand).
 - The mute switch (a privacy control) is kept in ``storage.state_dir/muted`` and survives restarts.
 
 sd_notify is the documented datagram protocol over the ``AF_UNIX`` socket in ``$NOTIFY_SOCKET``
@@ -30,10 +33,12 @@ from typing import Optional
 
 from .config import DEFAULT_CONFIG_PATH, Config, load
 from .errors import UserError, one_line
+from .events import Ev
+
+PLAYBACK_RATE = 48000  # the playback buffer's rate, Hz: most cards' native rate (no resampling there)
 
 log = logging.getLogger(__name__)
 
-PLAYBACK_RATE = 48000  # the playback buffer's rate, Hz: most cards' native rate (no resampling there)
 CONFIG_ERROR_FLASH_S = 4.0
 
 
@@ -64,11 +69,24 @@ class Notifier:
 
 
 class MuteStore:
-    """The mute switch on disk: ``state_dir/muted`` holds ``1`` or ``0``."""
+    """The mute switch on disk (``state_dir/muted`` holds ``1`` or ``0``): a conversation observer that
+    keeps each ``mute`` change the conversation emits. The conversation owns the switch; this only
+    persists it, so it survives a restart (:attr:`value` is the switch to start with)."""
+
+    section = "storage"  # Session.apply hands this observer the config's ``storage`` section
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / "muted"
         self.value = self.load()
+
+    def __call__(self, record: dict) -> None:
+        if record.get("event") == Ev.MUTE and "muted" in record:
+            self.save(bool(record["muted"]))
+
+    def configure(self, storage) -> None:
+        """A new ``storage.state_dir``: keep the switch there from now on."""
+        self.path = Path(storage.state_dir) / "muted"
+        self.save(self.value, force=True)
 
     def load(self) -> bool:
         try:
@@ -76,8 +94,8 @@ class MuteStore:
         except OSError:
             return False
 
-    def save(self, muted: bool) -> None:
-        if muted == self.value and self.path.exists():
+    def save(self, muted: bool, force: bool = False) -> None:
+        if muted == self.value and self.path.exists() and not force:
             return
         self.value = muted
         try:
@@ -90,109 +108,81 @@ class MuteStore:
 
 
 class Service:
-    """The appliance on sound devices around loaded :class:`~appliance.pipeline.Parts`.
+    """The appliance on sound devices around loaded :class:`~appliance.pipeline.Parts`: a
+    :class:`~appliance.session.Session` on the sound devices (:class:`~appliance.audio.device.DeviceAudio`
+    from :func:`~appliance.audio.backends.open_port`, at :data:`PLAYBACK_RATE`), with the LEDs, the
+    persisted mute switch and one metrics line per turn as observers. What is left here: the status line
+    for ``STATUS=``, reload (the session applies it; the model loads here, in the background) and the
+    life cycle.
 
     :param cfg: the validated config.
     :param parts: the loaded engine, voice and VAD (kept across reloads and device loss).
     :param pin_factory: gpiozero pin factory for the LEDs and button (``MockFactory`` in tests).
-    :param indicators: indicators already showing ``loading`` (from :func:`run`), or None to create them.
+    :param indicators: a :class:`~appliance.indicators.Panel` already showing ``loading`` (from :func:`run`),
+        or None to create one.
+    :param timeline: an optional extra observer (the debug log's timeline; the tests' recorder).
     """
 
     def __init__(self, cfg: Config, parts, pin_factory=None, indicators=None, timeline=None):
-        from . import indicators as ind
-        from .audio.backends import open_port
-        from .pipeline import Session
-
-        self.cfg = cfg
-        self.parts = parts
-        self.pin_factory = pin_factory
-        self.mute = MuteStore(cfg.storage.state_dir)
-        self.indicators = indicators if indicators is not None else ind.create(cfg.gpio, self._post, pin_factory)
-        self.session = Session(cfg, parts, out_rate=PLAYBACK_RATE)  # its canceller: echo.from_config
-        conv = self.session.conversation
-        conv.keep_muted = self.mute.value
-        conv.keep_turns = 100  # the service runs for months: no list of every turn
-        if self.mute.value:
-            self.session.listener.muted = True  # before any audio flows
-        conv.subscribe(lambda r: self.indicators.observe(r))
-        conv.subscribe(self._observe)
-        if timeline is not None:
-            conv.subscribe(timeline)
+        from .indicators import Panel
         from .metrics import METRICS_FILE, TurnMetrics
+        from .audio.backends import open_port
+        from .session import Session
 
-        conv.subscribe(TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE, keep=0))  # one journal line per turn
-        self.audio = open_port(cfg, PLAYBACK_RATE, "device", on_status=self._on_audio)
-        conv.turn_stats = self.audio.stats
-        # Pause and flush at the device: its worker's ring (2-8 output blocks) must not play after a barge-in.
-        self.session.playback.attach(self.audio)
+        self.parts = parts
+        self.indicators = indicators if indicators is not None else Panel(cfg.gpio, self._post, pin_factory)
+        self.mute = MuteStore(cfg.storage.state_dir)
+        observers = [self.indicators, self._observe, self.mute,
+                     TurnMetrics(Path(cfg.storage.state_dir) / METRICS_FILE, keep=0)]  # one journal line per turn
+        if timeline is not None:
+            observers.append(timeline)
+        self.port = open_port(cfg, PLAYBACK_RATE, "device")
+        # The service runs for months: no list of every turn.
+        self.session = Session(cfg, parts, self.port, observers, muted=self.mute.value, keep_turns=100)
         self.status = "starting"
-        self.ready_posted = False
         self.reloads: list[dict] = []
         self.reload_problem: Optional[str] = None  # why the last reload was refused (shown in STATUS=)
         self._model_thread: Optional[threading.Thread] = None
 
-    def _post(self, name: str, **info) -> None:
+    @property
+    def cfg(self) -> Config:
+        return self.session.cfg
+
+    @property
+    def audio(self):
+        """The sound devices (:class:`~appliance.audio.device.DeviceAudio`, the session's port)."""
+        return self.port
+
+    def _post(self, name, **info) -> None:
         self.session.conversation.post(name, **info)
 
-    # --- observers ---
     def _observe(self, record: dict) -> None:
-        conv = self.session.conversation
-        if conv.keep_muted != self.mute.value:
-            self.mute.save(conv.keep_muted)
-        if record.get("event") == "state":
+        if record.get("event") == Ev.STATE:
             s = record["state"]
             self.status = f"{s}: {record['reason']}" if s == "error" and record.get("reason") else s
 
-    def _on_audio(self, kind: str, info: dict) -> None:
-        if kind == "open":
-            if not self.ready_posted:
-                self.ready_posted = True
-                self._post("ready")
-            else:
-                # A reopened device is a new echo path (another latency, maybe another card): a new,
-                # cold canceller, so the stand-in serves until it has converged on it.
-                from .audio.echo import from_config
-
-                self.session.listener.use_echo(from_config(self.cfg))
-                self._post("recovered", device=info.get("output"))
-        elif kind == "lost":
-            self._post("stop_reply", source="device lost")
-            self._post("error", reason=f"sound device lost: {info.get('reason')}")
-        elif kind == "unavailable" and not info.get("repeated"):
-            self._post("stop_reply", source="device unavailable")
-            self._post("error", reason=info.get("reason", "no sound device"))
-
     # --- life cycle ---
     def start(self) -> None:
-        self.session.conversation.start()
-        pb = self.session.playback
-        self.audio.start(pb.take, self.session.listener.capture, pb.port_silent)
+        self.session.start()
 
     def stop(self) -> None:
-        self.audio.stop()
         self.session.stop()
         self.indicators.close()
 
     def threads_alive(self) -> dict[str, bool]:
-        s = self.session
-        th = {
-            "conversation": s.conversation._thread,
-            "listener": s.listener._thread,
-            "engine": s.engine_worker._thread,
-            "tts": s.tts_worker._thread,
-            "audio": self.audio._sup,
-        }
-        return {k: bool(t is not None and t.is_alive()) for k, t in th.items()}
+        return self.session.threads_alive()
 
     def healthy(self) -> bool:
         return all(self.threads_alive().values())
 
     # --- reload ---
     def reload(self, path: str | Path) -> bool:
-        """Re-read the config file and apply it whole, or reject it whole. Returns True if applied."""
+        """Re-read the config file and apply it whole (:meth:`Session.apply`), or reject it whole. A new
+        ``model`` loads in the background and takes over when ready. Returns True if applied."""
+        old = self.cfg
         try:
             new = load(path)
-            prepared = self._prepare(new)
+            changed = self.session.apply(new)
         except Exception as exc:  # whatever is wrong with the file, the running service keeps its config
             reason = str(exc) if isinstance(exc, UserError) else one_line(f"{path}: {exc.__class__.__name__}: {exc}")
             log.error("config reload rejected, keeping the running config: %s", reason)
@@ -201,116 +191,14 @@ class Service:
             self.reload_problem = f"config reload rejected, running on the previous config: {reason}"
             return False
         self.reload_problem = None
-        changed = self._apply(new, prepared)
-        log.warning("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
-        self.reloads.append({"applied": True, "changed": changed})
-        return True
-
-    def _prepare(self, new: Config) -> dict:
-        """Everything that can fail, before anything changes (raises :class:`UserError`)."""
-        old = self.cfg
-        out: dict = {}
-        if new.voice != old.voice:
-            from .speech import Tts
-
-            try:
-                out["tts"] = Tts(new.voice.model, length_scale=new.voice.length_scale, volume=new.voice.volume)
-            except UserError:
-                raise
-            except Exception as exc:
-                raise UserError(f"voice: cannot load {new.voice.model} ({exc.__class__.__name__}: {exc})") from None
-        if new.model != old.model:
-            for key in ("gguf", "mmproj"):
-                p = getattr(new.model, key)
-                if key == "mmproj" and not p:
-                    raise UserError("model.mmproj: a model that hears needs its audio projector; set model.mmproj")
-                if p and not Path(p).is_file():
-                    raise UserError(f"{p}: model.{key} not found; check the path")
-        if new.vad.end_of_turn != old.vad.end_of_turn and self.parts.eot is None:
-            from .pipeline import load_end_of_turn
-
-            out["eot"] = load_end_of_turn(new)  # a missing Smart Turn fails here, before anything changes
-        if new.echo != old.echo:
-            from .audio.echo import from_config
-
-            out["echo"] = from_config(new)  # a missing backend package fails here, before anything changes
-        if new.interruption != old.interruption:
-            from .turns import turn_taker_from_config
-
-            out["turn_taker"] = turn_taker_from_config(new)  # loads PocketSphinx if it is newly needed
-        if new.listen != old.listen:
-            from .wake import detector_from_config
-
-            out["wake"] = detector_from_config(new)  # loads the wake-word model if it is newly needed
-        if new.gpio != old.gpio:
-            # The new pins may overlap the old ones: release the old devices first, and put them back if
-            # the new ones cannot be had.
-            from . import indicators as ind
-
-            state = self.session.conversation.state.value
-            self.indicators.close()
-            try:
-                out["indicators"] = ind.create(new.gpio, self._post, self.pin_factory, strict=True)
-            except Exception as exc:
-                self.indicators = ind.create(old.gpio, self._post, self.pin_factory)
-                self.indicators.observe({"event": "state", "state": state})
-                raise UserError(f"gpio: the new pins cannot be used ({exc.__class__.__name__}: {exc})") from None
-        return out
-
-    def _apply(self, new: Config, prepared: dict) -> list[str]:
-        old, s = self.cfg, self.session
-        changed = []
-        if "eot" in prepared:
-            self.parts.eot = prepared["eot"]
-        if new.vad != old.vad or new.interruption != old.interruption:
-            from .pipeline import configure_segmenter
-
-            configure_segmenter(s.segmenter, new, self.parts)  # read by the listener at its next window
-        if new.vad != old.vad:
-            changed.append("vad")
-        if new.interruption != old.interruption:
-            # Plain attribute swaps: the conversation and listener threads read them at their next event.
-            s.conversation.turn_taker = prepared["turn_taker"]
-            self.audio.configure(fade_ms=new.interruption.fade_ms)  # reaches the audio worker
-            changed.append("interruption")
-        if (new.interruption, new.listen, new.vad) != (old.interruption, old.listen, old.vad):
-            s.conversation.configure(stop_words_only_silence=new.interruption.stop_words_only_silence,
-                                     listen_mode=new.listen.mode, follow_up_s=new.listen.follow_up_s,
-                                     min_silence_ms=new.vad.min_silence_ms)
-        if "wake" in prepared:
-            s.listener.configure(wake=prepared["wake"])
-            changed.append("listen")
-        if new.assistant != old.assistant:
-            from .assistant import turn_context_source
-
-            s.engine_worker.configure(context=turn_context_source(new))
-            changed.append("assistant (the time zone and locale now; a new system prompt at the next start)")
-        if "tts" in prepared:
-            s.tts_worker.tts = prepared["tts"]
-            self.parts.tts = prepared["tts"]
-            changed.append("voice")
-        if "indicators" in prepared:
-            self.indicators = prepared["indicators"]
-            self.indicators.observe({"event": "state", "state": s.conversation.state.value})
-            changed.append("gpio")
-        if new.audio != old.audio:
-            a = new.audio
-            self.audio.backoff = (0.5, a.retry_max_s)
-            if (a.input, a.output, a.output_block_ms) != (old.audio.input, old.audio.output, old.audio.output_block_ms):
-                self.audio.reopen(a.input, a.output, a.output_block_ms)
-            changed.append("audio")
+        if any("refused" in c for c in changed):
+            self.indicators.flash("config_error", CONFIG_ERROR_FLASH_S)
         if new.model != old.model:
             self._reload_model(new)
             changed.append("model (loading in the background)")
-        if new.storage != old.storage:
-            self.mute = MuteStore(new.storage.state_dir)
-            self.mute.save(s.conversation.keep_muted)
-            changed.append("storage")
-        if "echo" in prepared:
-            s.listener.use_echo(prepared["echo"])  # a new canceller: cold, the stand-in serves until it converges
-            changed.append("echo")
-        self.cfg = new if new.model == old.model else new.model_copy(update={"model": old.model})
-        return changed
+        log.warning("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
+        self.reloads.append({"applied": True, "changed": changed})
+        return True
 
     def _reload_model(self, new: Config) -> None:
         from .engine import Engine
@@ -326,18 +214,7 @@ class Service:
                 log.error("model reload failed, keeping the running model: %s", exc)
                 self.indicators.flash("config_error", CONFIG_ERROR_FLASH_S)
                 return
-            worker = self.session.engine_worker
-
-            def swap() -> None:
-                old = worker.engine
-                if not engine.history:  # (with a history store, the new engine restored it already)
-                    engine.adopt(old.history)  # rebuilt into the new model's cache in the background
-                worker.engine = engine
-                self.parts.engine = engine
-                self.cfg = self.cfg.model_copy(update={"model": new.model})
-                log.warning("model reloaded: %s", new.model.gguf)
-
-            worker.call(swap)
+            self.session.use_engine(engine, new.model)
 
         self._model_thread = threading.Thread(target=work, name="model-reload", daemon=True)
         self._model_thread.start()
@@ -345,9 +222,9 @@ class Service:
 
 def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None) -> int:
     """The service loop, until SIGTERM/SIGINT. Returns the exit code."""
-    from . import indicators as ind
     from .engine import text_only_refusal
-    from .pipeline import Parts, Timeline
+    from .indicators import Panel
+    from .pipeline import Timeline
 
     logging.getLogger("appliance").setLevel(min(logging.getLogger("appliance").getEffectiveLevel(), logging.INFO))
     if not cfg.model.mmproj:
@@ -362,7 +239,7 @@ def run(cfg: Config, config_path: Optional[str | Path] = None, pin_factory=None)
     signal.signal(signal.SIGHUP, lambda *a: hup.set())
 
     post_box: list = []
-    early = ind.create(cfg.gpio, lambda name, **info: post_box and post_box[0](name, **info), pin_factory)
+    early = Panel(cfg.gpio, lambda name, **info: post_box and post_box[0](name, **info), pin_factory)
     wd_usec = os.environ.get("WATCHDOG_USEC")
     wd_pid = os.environ.get("WATCHDOG_PID")
     interval = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -11,7 +10,6 @@ import numpy as np
 
 from .errors import UserError
 
-PIPER_SAMPLE_RATE = 22050  # the medium-quality Piper voices' rate (from the voice's .onnx.json)
 # Piper normalises each sentence to full scale; resampling to the output rate then overshoots and clips.
 # 1 dB of headroom keeps the peaks below full scale.
 HEADROOM = 10 ** (-1.0 / 20.0)
@@ -133,12 +131,6 @@ class SentenceSplitter:
             if ch in ",;:" and nxt.isspace() and len(b[:i].strip()) >= self.min_clause_chars:
                 return i + 1
         return None
-
-
-@dataclass
-class VoiceInfo:
-    model_path: Path
-    sample_rate: int
 
 
 def bundled_voice_path() -> Path:

@@ -24,6 +24,7 @@ from typing import Optional, Protocol
 
 import numpy as np
 
+from .audio.files import MODEL_RATE
 from .errors import UserError
 
 
@@ -179,7 +180,7 @@ class KeywordClassifier:
         model = ps.get_model_path()
         ps.set_loglevel("FATAL")
         dec = ps.Decoder(hmm=os.path.join(model, "en-us", "en-us"), dict=os.path.join(model, "en-us", "cmudict-en-us.dict"),
-                         samprate=16000, loglevel="FATAL", dither=False, bestpath=bestpath)
+                         samprate=MODEL_RATE, loglevel="FATAL", dither=False, bestpath=bestpath)
         # The acoustic model's feat.params override these two at construction, hence the re-init.
         dec.config["remove_noise"] = False
         dec.config["cmn"] = "batch"
@@ -194,12 +195,12 @@ class KeywordClassifier:
     def hypothesis(self, audio: np.ndarray) -> str:
         """The decoded words (grammar phrases or fillers), "" when the decoder reached no final state."""
         self.load()
-        skip = int(self.skip_s * 16000)
+        skip = int(self.skip_s * MODEL_RATE)
         audio = np.asarray(audio, dtype=np.float32)
         if len(audio) - skip >= 1600:
             audio = audio[skip:]
         audio = trim_silence(audio)
-        pcm = np.round(np.clip(audio[: int(self.max_s * 16000)], -1.0, 1.0) * 32767.0).astype(np.int32)
+        pcm = np.round(np.clip(audio[: int(self.max_s * MODEL_RATE)], -1.0, 1.0) * 32767.0).astype(np.int32)
         pcm += np.random.default_rng(DITHER_SEED).integers(-DITHER_LSB, DITHER_LSB + 1, len(pcm))
         data = np.clip(pcm, -32768, 32767).astype(np.int16).tobytes()
         with self._lock:
@@ -240,7 +241,7 @@ def trim_silence(audio: np.ndarray, keep_s: float = KEEP_SILENCE_S) -> np.ndarra
     loud = np.flatnonzero(np.abs(audio) > 10.0 ** (SILENCE_DBFS / 20.0))
     if len(loud) == 0:
         return audio
-    keep = int(keep_s * 16000)
+    keep = int(keep_s * MODEL_RATE)
     return audio[max(0, loud[0] - keep): loud[-1] + 1 + keep]
 
 

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from .audio.files import MODEL_RATE
 from .errors import UserError
 
-SAMPLE_RATE = 16000
 WINDOW = 512  # samples per VAD window at 16 kHz = 32 ms
 CONTEXT = 64  # samples of left context the model expects before each window
-WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE
+WINDOW_MS = WINDOW * 1000 / MODEL_RATE
 HOP = WINDOW // 2  # the segmenter's default hop: two phase-shifted Silero streams, one result every 16 ms
 
 
@@ -65,7 +64,7 @@ class SileroVad:
         if not path.is_file():
             raise UserError(f"{path}: Silero VAD model not found; reinstall with `pip install --no-deps silero-vad`")
         self._session = onnx_session(path, "reinstall silero-vad")
-        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self._sr = np.array(MODEL_RATE, dtype=np.int64)
         self.reset()
 
     def fork(self) -> "SileroVad":
@@ -244,7 +243,7 @@ class VadSegmenter:
     @property
     def speech_ms(self) -> float:
         """Speech so far in the current candidate or utterance, ms."""
-        return (self._last_voice - self._onset) * 1000.0 / SAMPLE_RATE if self._in_speech else 0.0
+        return (self._last_voice - self._onset) * 1000.0 / MODEL_RATE if self._in_speech else 0.0
 
     def push(self, block: np.ndarray) -> list[VadEvent]:
         """Feed float32 mono 16 kHz samples of any length; returns the events of completed windows."""
@@ -272,10 +271,10 @@ class VadSegmenter:
             del self.infer_ms[:2048]
         self._n += len(new)
         start = self._n - WINDOW  # the window's first sample
-        hop_ms = len(new) * 1000.0 / SAMPLE_RATE
+        hop_ms = len(new) * 1000.0 / MODEL_RATE
         events: list[VadEvent] = []
         if not self._in_speech:
-            if self._settle_from is not None and self._n - self._settle_from >= self.min_silence_ms * SAMPLE_RATE // 1000:
+            if self._settle_from is not None and self._n - self._settle_from >= self.min_silence_ms * MODEL_RATE // 1000:
                 self._settle_from = None
                 events.append(VadEvent("settled", start, p))
             self._history.append(new)
@@ -295,12 +294,12 @@ class VadSegmenter:
         self._utt.append(new)
         if p >= self.threshold - 0.15:
             self._last_voice = start + WINDOW
-        speech_ms = (self._last_voice - self._onset) * 1000.0 / SAMPLE_RATE
-        silence_ms = (self._n - self._last_voice) * 1000.0 / SAMPLE_RATE
+        speech_ms = (self._last_voice - self._onset) * 1000.0 / MODEL_RATE
+        silence_ms = (self._n - self._last_voice) * 1000.0 / MODEL_RATE
         if not self._confirmed and speech_ms >= self.min_speech_ms:
             self._confirmed = True
             events.append(VadEvent("start", start, p, speech_ms=speech_ms))
-        too_long = (self._n - self._onset) / SAMPLE_RATE >= self.max_utterance_s
+        too_long = (self._n - self._onset) / MODEL_RATE >= self.max_utterance_s
         end_silence = self.interjection_silence_ms if self.interjecting else self.min_silence_ms
         eot_prob = None
         if self._confirmed and not self.interjecting and self.end_of_turn is not None:

@@ -16,11 +16,11 @@ from typing import Optional
 
 import numpy as np
 
+from .audio.files import MODEL_RATE
 from .errors import UserError
 
 WAKE_WORDS = ("hey_jarvis", "okay_nabu", "alexa", "hey_mycroft")
 PHRASES = {"hey_jarvis": "Hey Jarvis", "okay_nabu": "Okay Nabu", "alexa": "Alexa", "hey_mycroft": "Hey Mycroft"}
-RATE = 16000
 CHUNK = 160  # 10 ms, the feature front end's step
 REFRACTORY_S = 1.0
 
@@ -85,10 +85,10 @@ class WakeWordDetector:
                 self.max_probability = max(self.max_probability, prob)
                 if prob > self.cutoff and self._n >= self._deaf_until:
                     hits.append(self._n)
-                    self._deaf_until = self._n + int(REFRACTORY_S * RATE)
+                    self._deaf_until = self._n + int(REFRACTORY_S * MODEL_RATE)
         self._pending = self._pending[n_chunks * CHUNK:]
         self.compute_s += time.perf_counter() - t0
-        self.audio_s += len(pcm) / RATE
+        self.audio_s += len(pcm) / MODEL_RATE
         return hits
 
 

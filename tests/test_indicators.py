@@ -112,9 +112,10 @@ def test_button_debounce_short_and_long_press(factory):
 
 def test_button_on_the_real_conversation(factory, fresh_parts, embedded_cfg, question_audio):
     """Mute: nothing reaches the VAD. Stop while speaking. Long press: a fresh conversation."""
-    from appliance.pipeline import Session
+    from appliance.audio.port import NullPort
+    from appliance.session import Session
 
-    s = Session(embedded_cfg, fresh_parts, out_rate=16000)
+    s = Session(embedded_cfg, fresh_parts, NullPort(16000))
     ind = Indicators(GpioConfig(button_pin=26, long_press_s=0.5), s.conversation.post, pin_factory=factory)
     s.conversation.subscribe(ind.observe)
     pin = factory.pin(26)
@@ -153,3 +154,48 @@ def test_button_on_the_real_conversation(factory, fresh_parts, embedded_cfg, que
     finally:
         ind.close()
         s.stop()
+
+
+def test_a_reload_moves_the_leds_and_a_refused_one_leaves_them_lit(factory, tmp_path, fresh_parts, embedded_cfg):
+    """``Session.apply`` first prepares what can fail and changes nothing (it used to close the live LEDs
+    while preparing); the pins move only once the rest is ready, and pins that cannot be had leave the old
+    ones lit."""
+    from gpiozero import LED
+
+    from appliance.errors import UserError
+    from appliance.indicators import DIM, Panel
+    from appliance.audio.port import NullPort
+    from appliance.session import Session
+
+    panel = Panel(GpioConfig(enabled=True, led_pin=12), lambda *a, **k: None, pin_factory=factory)
+    s = Session(embedded_cfg, fresh_parts, NullPort(16000), [panel])
+    s.start()
+    try:
+        end = time.monotonic() + 10
+        while s.conversation.state.value != "listening" and time.monotonic() < end:
+            time.sleep(0.02)
+        led = panel.inner.leds.devices["led"]
+        assert led.value == pytest.approx(DIM)  # listening
+
+        bad = embedded_cfg.model_copy(deep=True)
+        bad.gpio = GpioConfig(enabled=True, led_pin=13)
+        bad.voice.model = str(tmp_path / "no-such-voice.onnx")
+        with pytest.raises(UserError):
+            s.apply(bad)
+        assert panel.inner.leds.devices["led"] is led and not led.closed and led.value == pytest.approx(DIM)
+
+        good = embedded_cfg.model_copy(deep=True)
+        good.gpio = GpioConfig(enabled=True, led_pin=13)
+        assert s.apply(good) == ["gpio"]
+        assert led.closed and factory.pin(13).state == pytest.approx(DIM)
+
+        other = LED(5, pin_factory=factory)  # someone else holds pin 5
+        taken = embedded_cfg.model_copy(deep=True)
+        taken.gpio = GpioConfig(enabled=True, led_pin=5)
+        changed = s.apply(taken)
+        assert len(changed) == 1 and changed[0].startswith("gpio (refused: gpio: the new pins cannot be used")
+        assert factory.pin(13).state == pytest.approx(DIM)  # back on the old pin, showing the state
+        other.close()
+    finally:
+        s.stop()
+        panel.close()

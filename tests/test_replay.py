@@ -1,6 +1,7 @@
 """`appliance replay` end to end on the bundled demo: real speech in, real speech out, in real time."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -97,3 +98,46 @@ room:
     records = [json.loads(line) for line in (tmp_path / "out" / "timeline.jsonl").read_text().splitlines()]
     assert report["turns"] and not report["turns"][0]["interrupted"]
     assert not [r for r in records if r["event"] in ("interrupted", "flushed")]
+
+
+def _noise_wav(path):
+    from appliance.audio.files import write_wav
+
+    rng = np.random.default_rng(3)
+    burst = (0.3 * rng.standard_normal(4800) * np.exp(-np.arange(4800) / 1200)).astype(np.float32)  # a door slam
+    write_wav(path, np.concatenate([np.zeros(1600, np.float32), burst, np.zeros(1600, np.float32)]), 16000)
+
+
+def test_an_event_marked_speech_false_needs_no_transcript_on_the_text_only_model(tmp_path, parts, embedded_cfg):
+    """A bell or a door slam has no transcript: ``speech: false`` lets a text-only model's replay take it (it
+    used to refuse any event without ``text:``); ``text: ""`` without it is still refused, as is a noise with
+    a transcript."""
+    from appliance.audio.room import Scenario
+    from appliance.errors import UserError
+    from appliance.replay import check_transcripts
+
+    assert not parts.engine.hears_audio  # the embedded model: text only
+    _noise_wav(tmp_path / "slam.wav")
+    body = f"""events:
+  - at: 0.5
+    say: {DEMO / "question.wav"}
+    text: "What is a rainbow?"
+  - after: listening
+    delay: 0.5
+    say: slam.wav
+"""
+    for extra, refused in [('    text: ""\n', "event(s) [2] have no `text:`"), ("", "event(s) [2] have no `text:`"),
+                           ('    speech: false\n    text: "bang"\n', "has no transcript; remove `text:`"),
+                           ("    speech: no-thanks\n", "`speech` must be true or false")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(body + extra)
+        with pytest.raises(UserError, match=re.escape(refused)):
+            check_transcripts(Scenario.load(path), path)
+    path = tmp_path / "slam.yaml"
+    path.write_text(body + "    speech: false\n")
+    parts.engine.forget()
+    report = replay(path, tmp_path / "out", parts, embedded_cfg, paced=False)
+    records = [json.loads(line) for line in (tmp_path / "out" / "timeline.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in records if r["event"] == "user_speech"] == [str(DEMO / "question.wav"), "slam.wav"]
+    assert report["turns"][0]["heard_transcript"] == "What is a rainbow?"
+    assert not report["timed_out"]

@@ -149,7 +149,7 @@ def test_mute_survives_a_restart(tmp_path, fresh_parts, embedded_cfg):
     finally:
         svc.stop()
     svc = Service(cfg, fresh_parts)
-    assert svc.session.listener.muted  # before any audio could flow
+    assert svc.session.conversation.muted  # before any audio could flow (the listener reads it per block)
     svc.start()
     try:
         svc.session.conversation.post("ready")
@@ -286,9 +286,9 @@ def test_the_service_builds_its_canceller_from_the_config_and_a_new_echo_path_st
         second = settled(first)
         assert second is not first and second.gate_db == -15.0 and not second.warm
         assert svc.session.segmenter.onset_gate == second.near_end_present
-        svc._on_audio("open", {"output": "card"})  # the first open: ready, same canceller
+        svc.session.on_port("open", {"output": "card"})  # the first open: ready, same canceller
         assert listener.echo is second
-        svc._on_audio("open", {"output": "card"})  # reopened after a loss: a new echo path
+        svc.session.on_port("open", {"output": "card"})  # reopened after a loss: a new echo path
         third = settled(second)
         assert third is not second and third.gate_db == -15.0 and third.frames == 0
     finally:

@@ -63,6 +63,7 @@ def test_first_audio_before_the_llm_finishes():
             events.append((time.monotonic(), name))
 
     worker = TtsWorker(tts, playback, post, current_reply=lambda: 1)
+    worker.start()
     playback.begin_reply(1)
     splitter = SentenceSplitter()
     tokens = "A rainbow is sunlight split by raindrops. It shows red, orange, yellow, green, blue and violet light in an arc across the sky.".split(" ")

@@ -74,12 +74,10 @@ def test_stats_prints_p50_p95_of_a_replayed_conversation(three_turns):
 
 def test_barge_in_and_xruns_are_measured_per_turn():
     out = io.StringIO()
-    # xruns of turn 1: 1 in turn_end (Conversation.turn_stats), 1 posted event, 2 from a cumulative counter
-    xrun_counter = iter([5, 7, 7])
-    m = TurnMetrics(stream=out, timestamps=False, xruns=lambda: next(xrun_counter))
+    # xruns of turn 1: 1 in turn_end (Conversation.turn_stats: the sound devices' count over the turn)
+    m = TurnMetrics(stream=out, timestamps=False)
     events = [
         {"t": 1.0, "event": "vad_onset"},
-        {"t": 3.0, "event": "xrun", "count": 1},
         {"t": 4.0, "event": "interrupted", "onset_t": 4.0},
         {"t": 4.5, "event": "resumed"},  # a backchannel: the pause counts, the turn goes on
         {"t": 6.0, "event": "interrupted", "onset_t": 5.98},
@@ -94,12 +92,12 @@ def test_barge_in_and_xruns_are_measured_per_turn():
     first, second = out.getvalue().splitlines()
     assert first == ("turn_metrics reply_id=1 eot_to_first_token_ms=250.0 first_token_to_first_audio_ms=450.0 "
                      "eot_to_first_audio_ms=700.0 prefill_tokens=40 generated_tokens=12 interrupted=true "
-                     "barge_in_ms=43.5 barge_ins=2 xruns=4 user_speech_ms=900.0 output_latency_ms=23.4")
+                     "barge_in_ms=43.5 barge_ins=2 xruns=1 user_speech_ms=900.0 output_latency_ms=23.4")
     assert second == "turn_metrics reply_id=2 eot_to_first_token_ms=200.0 interrupted=false barge_ins=0 xruns=0"
     assert parse_line("Nov 29 10:00:01 pi appliance[812]: " + first) == {
         "reply_id": 1, "eot_to_first_token_ms": 250.0, "first_token_to_first_audio_ms": 450.0,
         "eot_to_first_audio_ms": 700.0, "prefill_tokens": 40, "generated_tokens": 12, "interrupted": True,
-        "barge_in_ms": 43.5, "barge_ins": 2, "xruns": 4, "user_speech_ms": 900.0, "output_latency_ms": 23.4}
+        "barge_in_ms": 43.5, "barge_ins": 2, "xruns": 1, "user_speech_ms": 900.0, "output_latency_ms": 23.4}
     assert parse_line("INFO something else") is None
 
 

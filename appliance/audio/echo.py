@@ -49,7 +49,7 @@ interruption`` (``erle_db``) and ``tests/test_echo.py``.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -206,9 +206,8 @@ class EchoCanceller:
         self._lt_band_in: list[list[float]] = [[] for _ in range(N_BANDS)]
         self._lt_band_out: list[list[float]] = [[] for _ in range(N_BANDS)]
         self._lt_band_far: list[list[float]] = [[] for _ in range(N_BANDS)]
-        # (frame, ratio_db, threshold_db, passed, hb_ratio_db, hb_threshold_db, hb_level_db), if record
-        self.gate_log: list[tuple] = []
-        self.clear_log: list[tuple] = []  # the same for near_end_clear (passed = both tests), if record
+        self.gate_log: list[GateRow] = []  # if record
+        self.clear_log: list[GateRow] = []  # the same for near_end_clear (passed = both tests), if record
         self.cold_log: list[tuple] = []  # (frame, expected residual dB) of the cold windows the gate refused, if record
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
 
@@ -537,11 +536,11 @@ class EchoCanceller:
         hb_passed = bool(hb is not None and hb >= hb_threshold and level is not None and level >= HB_MIN_REL_DB)
         return r, self.gate_threshold_db(), hb, hb_threshold, level, hb_passed
 
-    def _log_row(self, t: tuple, passed: bool) -> tuple:
+    def _log_row(self, t: tuple, passed: bool) -> "GateRow":
         """A row of :attr:`gate_log` or :attr:`clear_log` from :meth:`_band_tests`' figures."""
         r, threshold, hb, hb_threshold, level, _ = t
         rnd = lambda x: None if x is None else round(float(x), 1)  # noqa: E731
-        return (self.frames, rnd(r), rnd(threshold), passed, rnd(hb), rnd(hb_threshold), rnd(level))
+        return GateRow(self.frames, rnd(r), rnd(threshold), passed, rnd(hb), rnd(hb_threshold), rnd(level))
 
     def _far_energy_recent(self, n: int) -> float:
         """Mean far-end power per sample over the last ``n`` samples (at most the 64 frames kept)."""
@@ -552,6 +551,18 @@ class EchoCanceller:
     def ms_per_frame(self) -> Optional[float]:
         """Mean compute time per 10 ms frame, ms (measured here), or None before any frame."""
         return self.busy_s * 1000.0 / self.frames if self.frames else None
+
+
+class GateRow(NamedTuple):
+    """One onset-gate check (a row of :attr:`EchoCanceller.gate_log` or ``clear_log``), dB rounded to 0.1."""
+
+    frame: int  # the canceller's frame count at the check (10 ms frames)
+    ratio_db: Optional[float]  # output/input energy of the window (-ERLE on echo alone)
+    threshold_db: Optional[float]
+    passed: bool
+    hb_ratio_db: Optional[float]  # the same above HB_HZ
+    hb_threshold_db: Optional[float]
+    hb_level_db: Optional[float]  # the high band's level relative to its usual level
 
 
 def _ratio_db(e_out: float, e_in: float) -> float:

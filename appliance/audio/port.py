@@ -30,6 +30,8 @@ from .fader import Fader, fade_samples
 Pull = Callable[[int], np.ndarray]  # pull(n) -> float32 [n] at the port's rate (Playback.take)
 Capture = Callable[[np.ndarray, np.ndarray], None]  # capture(mic, far_end), both float32 mono 16 kHz
 OnSilent = Callable[[], None]  # a fade out (pause, flush) reached silence; must not block
+OnStatus = Callable[[str, dict], None]  # on_status(kind, info): "open", "lost", "unavailable"; must not block
+Settled = Callable[[], bool]  # the pipeline has caught up with the audio handed to capture
 
 
 class AudioPort(ABC):
@@ -41,12 +43,20 @@ class AudioPort(ABC):
     """
 
     rate: int  # the pull rate, Hz (the playback buffer's rate)
+    clock: Optional[Callable[[], float]] = None  # the session timeline's clock, s; None: the wall clock
 
     @abstractmethod
-    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
+    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None, *,
+              on_status: Optional[OnStatus] = None, settled: Optional[Settled] = None) -> None:
         """Begin: ``pull(n)`` is asked for the speaker's next ``n`` samples (float32, at :attr:`rate`),
         ``capture(mic, far_end)`` gets each microphone block, ``on_silent()`` is told when a pause's or a
-        flush's fade out has reached silence. Callbacks come from the port's own threads and must not block."""
+        flush's fade out has reached silence. Callbacks come from the port's own threads and must not block.
+
+        ``on_status(kind, info)`` hears ``"open"`` once the port plays (a port with no device of its own:
+        at once, from here; a device: after each open, so a second ``open`` is a reopened device),
+        ``"lost"`` (``reason``) and ``"unavailable"`` (``reason``, ``repeated``, …). ``settled()`` is for
+        a port that runs faster than real time (the unpaced room): after each capture block it waits until
+        ``settled()``, as a person would wait for the reply; real-time ports ignore it."""
 
     @abstractmethod
     def pause(self) -> None:
@@ -61,8 +71,10 @@ class AudioPort(ABC):
         """Fade out and drop what the port holds of the current output (an interrupted reply)."""
 
     @abstractmethod
-    def configure(self, *, fade_ms: Optional[float] = None) -> None:
-        """Change settings while running: ``fade_ms`` is the fade out and fade in, ms (the next fade)."""
+    def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
+        """Change settings while running: ``fade_ms`` is the fade out and fade in, ms (the next fade);
+        ``audio`` is the config's ``audio`` section (:class:`appliance.config.AudioConfig`: a sound device
+        reopens on other device names or block size and takes the new ``retry_max_s``; other ports ignore it)."""
 
     @abstractmethod
     def stats(self) -> dict:
@@ -72,6 +84,14 @@ class AudioPort(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Stop and release everything; the port cannot be started again."""
+
+    def observe(self, record: dict) -> None:
+        """A conversation observer (the session subscribes it): the simulated room arms its ``after:``
+        events on the records; other ports ignore them."""
+
+    def alive(self) -> bool:
+        """The port's own threads run (the service's watchdog); True for a port without threads."""
+        return True
 
 
 class PullPort(AudioPort):
@@ -95,9 +115,13 @@ class PullPort(AudioPort):
         """The fade's length, samples at :attr:`rate`."""
         return self._fader.fade_samples
 
-    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
+    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None, *,
+              on_status: Optional[OnStatus] = None, settled: Optional[Settled] = None) -> None:
+        """As :meth:`AudioPort.start`; reports ``open`` at once (there is no device to wait for)."""
         self._pull, self._capture = pull, capture
         self._on_silent = on_silent or (lambda: None)
+        if on_status is not None:
+            on_status("open", {})
 
     def read(self, n: int) -> np.ndarray:
         """The speaker's next ``n`` samples (float32 [n] at :attr:`rate`): pulled, faded, zero-padded."""
@@ -126,7 +150,7 @@ class PullPort(AudioPort):
             if need:
                 self._fader.push(np.asarray(self._pull(need), dtype=np.float32)[:need])
 
-    def configure(self, *, fade_ms: Optional[float] = None) -> None:
+    def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
         if fade_ms is not None:
             with self._lock:
                 self._fader.set_fade(fade_samples(self.rate, fade_ms))

@@ -19,6 +19,9 @@ Scenario files (YAML)::
         delay: 1.2               # ...plus 1.2 s
         say: wait.wav
         text: "Wait, stop."
+      - at: 9.0
+        say: doorbell.wav
+        speech: false            # not speech (a bell, a door slam): no `text:`, even for a text-only model
     room:
       echo_gain_db: -10          # level of the echo relative to what was played (IR normalised to unit energy)
       echo_delay_ms: 30          # speaker-to-microphone delay before the IR's first tap
@@ -58,6 +61,7 @@ class ScriptedUtterance:
     delay: float = 0.0
     gain_db: float = 0.0
     start_sample: Optional[int] = None  # placed on the timeline when it fires
+    speech: bool = True  # False: a noise (a bell, a door slam), which has no transcript
 
     @property
     def onset_offset(self) -> int:
@@ -175,9 +179,15 @@ class Scenario:
             where = f"{path}: event {i}"
             if not isinstance(ev, dict):
                 raise UserError(f"{where}: must be a mapping with `say:` and `at:` or `after:`")
-            extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db"}
+            extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db", "speech"}
             if extra:
-                raise UserError(f"{where}: unknown key(s) {sorted(extra)}; allowed: at, after, delay, say, text, gain_db")
+                raise UserError(f"{where}: unknown key(s) {sorted(extra)}; allowed: at, after, delay, say, text, "
+                                "gain_db, speech")
+            speech = ev.get("speech", True)
+            if not isinstance(speech, bool):
+                raise UserError(f"{where}: `speech` must be true or false (false: a noise, with no `text:`)")
+            if not speech and ev.get("text"):
+                raise UserError(f"{where}: `speech: false` (a noise) has no transcript; remove `text:`")
             if "say" not in ev or not isinstance(ev["say"], str):
                 raise UserError(f"{where}: needs `say: FILE.wav` (a path relative to the scenario file)")
             if ("at" in ev) == ("after" in ev):
@@ -195,7 +205,8 @@ class Scenario:
             except UserError as exc:
                 raise UserError(f"{where}: {exc}") from None
             events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
-                                            delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0))))
+                                            delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0)),
+                                            speech=speech))
         room = RoomSpec()
         r = data.get("room") or {}
         if not isinstance(r, dict):
@@ -381,20 +392,48 @@ class RoomPort(PullPort):
     this port's fader, its microphone blocks go to the ``capture`` given to :meth:`start`.
 
     :param scenario: :class:`Scenario`, what the user says and the room's acoustics.
-    :param on_event: ``on_event(record)`` for the room's ground truth (``user_speech``).
-    :param paced: run on the wall clock (True) or as fast as the pipeline allows.
+    :param on_event: ``on_event(record)`` for the room's ground truth (``user_speech``), e.g. the timeline.
+    :param paced: True: on the wall clock (latencies include real compute). False (``--fast``): the room's
+        sample clock, and after each microphone block the room waits until the ``settled()`` given to
+        :meth:`start` says the pipeline has caught up, wherever a person would wait for it.
     :param rate: the pull rate, Hz (the room runs at 16 kHz, :data:`BLOCK` samples a tick).
     :param fade_ms: the fade on pause, resume and flush, ms.
+    :param max_wait_s: unpaced: the longest wait for the pipeline per block, s.
 
-    :attr:`room` is the :class:`SimulatedRoom` (its ``observe`` arms ``after:`` events; subscribe it to the
-    conversation); drive it with :meth:`run` after :meth:`start`.
+    :attr:`room` is the :class:`SimulatedRoom`; :meth:`observe` (the session subscribes it) arms its
+    ``after:`` events; :attr:`clock` is the timeline's clock (s since :meth:`start`, or the room's samples
+    when unpaced, so the timeline lines up with ``reply.wav``). Drive it with :meth:`run` after :meth:`start`.
     """
 
     def __init__(self, scenario: Scenario, on_event: Callable[[dict], None], paced: bool = True,
-                 rate: int = MODEL_RATE, fade_ms: float = 8.0):
+                 rate: int = MODEL_RATE, fade_ms: float = 8.0, max_wait_s: float = 60.0):
         super().__init__(rate, fade_ms)
-        self.room = SimulatedRoom(scenario, self.read, lambda mic, far: self._capture(mic, far), on_event=on_event,
-                                  paced=paced, rate=rate)
+        self.paced = paced
+        self.max_wait_s = max_wait_s
+        self._settled: Callable[[], bool] = lambda: True
+        self.room = SimulatedRoom(scenario, self.read, self._room_capture, on_event=on_event, paced=paced, rate=rate)
+        if paced:
+            self.clock = lambda: time.monotonic() - self.room.t0
+        else:
+            self.clock = lambda: self.room.n / self.room.rate
+
+    def start(self, pull, capture, on_silent=None, *, on_status=None, settled=None) -> None:
+        """As :meth:`AudioPort.start`; the wall clock of the timeline starts here; ``settled`` paces an
+        unpaced room."""
+        self.room.t0 = time.monotonic()
+        if settled is not None:
+            self._settled = settled
+        super().start(pull, capture, on_silent, on_status=on_status)
+
+    def _room_capture(self, mic: np.ndarray, far: np.ndarray) -> None:
+        self._capture(mic, far)
+        if not self.paced:
+            deadline = time.monotonic() + self.max_wait_s
+            while not self._settled() and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+    def observe(self, record: dict) -> None:
+        self.room.observe(record)
 
     def run(self, until: Callable[[], bool], max_seconds: float) -> None:
         """Play the scenario until ``until()`` or ``max_seconds`` of audio (see :meth:`SimulatedRoom.run`)."""

@@ -1,6 +1,6 @@
 """``appliance bench interruption``: the barge-in layer measured in the simulated room, in real time.
 
-Every scenario is a fresh :class:`~appliance.pipeline.Session` on the loaded parts: the user asks a
+Every scenario is a fresh :class:`~appliance.session.Session` on the loaded parts: the user asks a
 question, the appliance answers (real LLM, real Piper, real playback buffer), and while it speaks the room
 plays one scripted sound into the microphone together with the appliance's own echo (30 ms + a synthetic
 RT60 150 ms room impulse response) at a set level relative to the user's voice. The room runs on the wall
@@ -30,19 +30,20 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
-from ..audio.echo import HB_MIN_REL_DB, from_config
+from ..audio.backends import open_port
+from ..audio.echo import HB_MIN_REL_DB
 from ..audio.files import MODEL_RATE, load_audio, resample, write_wav
-from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, SimulatedRoom, synthetic_ir
+from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, synthetic_ir
 from ..config import Config
 from ..errors import UserError
-from ..pipeline import Parts, Session, Timeline, jsonable
+from ..pipeline import Parts, Timeline, jsonable
+from ..session import Session
 from ..replay import audible_until_ms, barge_ins
 
 USER_DBFS = -26.0  # the user's active speech level at the microphone (RMS over samples above -50 dBFS)
@@ -359,23 +360,17 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         events.append(ScriptedUtterance(case.audio, case.text, case.label, after="speaking", delay=case.delay_s))
     scenario = Scenario(events, RoomSpec(echo_gain_db=gain if case.echo_path else None, echo_delay_ms=ECHO_DELAY_MS,
                                          impulse_response=synthetic_ir(RT60_MS) if case.room_ir else None))
-    if echo is None:
-        echo = from_config(cfg, record=True)
-    elif hasattr(echo, "clear_records"):
+    if echo is not None and hasattr(echo, "clear_records"):
         echo.clear_records()
+    timeline = Timeline()
+    hears = parts.engine.hears_audio
+    port = open_port(cfg, MODEL_RATE, "room", scenario=scenario, on_event=timeline, paced=True)
+    session = Session(cfg, parts, port, [timeline], echo=echo, record_echo=True,
+                      transcript_at=None if hears else scenario.transcript_at)
+    echo = session.listener.echo  # a new one from cfg when none was given (what first_reply cases get)
     frame0 = echo.frames if echo is not None else 0
     stand_in0 = getattr(echo, "stand_in_frames", 0)
-    timeline = Timeline()
-    holder: dict = {}
-    clock = lambda: time.monotonic() - holder["room"].t0  # noqa: E731
-    hears = parts.engine.hears_audio
-    session = Session(cfg, parts, out_rate=MODEL_RATE, echo=echo,
-                      transcript_at=None if hears else scenario.transcript_at, clock=clock)
-    room = SimulatedRoom(scenario, session.playback.read, session.listener.capture, on_event=timeline, paced=True)
-    holder["room"] = room
-    session.conversation.subscribe(timeline)
-    session.conversation.subscribe(room.observe)
-    room.t0 = time.monotonic()
+    room = port.room
     session.start()
     mark = [None]
 
@@ -401,7 +396,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         return room.n - mark[0] >= int(1.0 * MODEL_RATE)
 
     try:
-        room.run(until, max_seconds=40.0)
+        port.run(until, max_seconds=40.0)
     finally:
         session.stop()
     recs = list(timeline.records)
@@ -430,22 +425,24 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     if echo is not None and getattr(echo, "gate_log", None):
         # The onset gate's refusals: near the interjection's onset (ms after it), and the closest the echo
         # alone came to the threshold (headroom, dB) in the whole scenario.
-        refused = [((f - frame0) * 10.0, r, thr, hb, hb_thr, lv) for f, r, thr, ok, hb, hb_thr, lv in echo.gate_log
-                   if not ok]
+        ms = lambda g: (g.frame - frame0) * 10.0  # noqa: E731  (a GateRow's time in the scenario, ms)
+        refused = [g for g in echo.gate_log if not g.passed]
         if speech:
             t_on = speech[0]["onset_t"] * 1000.0
-            out.gate_near_onset = [(round(t - t_on), r, thr) for t, r, thr, *_ in refused if -50 <= t - t_on <= 300]
-        early = [g for g in refused if not speech or g[0] < speech[0]["onset_t"] * 1000.0 - 50]
-        out.gate_headroom_db = round(min(thr - r for _, r, thr, *_ in early), 1) if early else None
+            out.gate_near_onset = [(round(ms(g) - t_on), g.ratio_db, g.threshold_db) for g in refused
+                                   if -50 <= ms(g) - t_on <= 300]
+        early = [g for g in refused if not speech or ms(g) < speech[0]["onset_t"] * 1000.0 - 50]
+        out.gate_headroom_db = round(min(g.threshold_db - g.ratio_db for g in early), 1) if early else None
         # The high-band test only counts over a high band at its usual level (see near_end_present).
-        hb_early = [hb_thr - hb for *_, hb, hb_thr, lv in early if hb is not None and lv is not None
-                    and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
+        hb_early = [g.hb_threshold_db - g.hb_ratio_db for g in early if g.hb_ratio_db is not None
+                    and g.hb_level_db is not None and g.hb_level_db >= HB_MIN_REL_DB and np.isfinite(g.hb_threshold_db)]
         out.gate_hb_headroom_db = round(min(hb_early), 1) if hb_early else None
         # The strict test behind early onsets (near_end_clear) needs both bands: how far the echo alone came
         # from passing both, where the high band's level let it count at all.
-        both = [max(thr - r, hb_thr - hb) for f, r, thr, ok, hb, hb_thr, lv in echo.clear_log
-                if (not speech or (f - frame0) * 10.0 < speech[0]["onset_t"] * 1000.0 - 50) and hb is not None
-                and lv is not None and lv >= HB_MIN_REL_DB and np.isfinite(hb_thr)]
+        both = [max(g.threshold_db - g.ratio_db, g.hb_threshold_db - g.hb_ratio_db) for g in echo.clear_log
+                if (not speech or ms(g) < speech[0]["onset_t"] * 1000.0 - 50)
+                and g.hb_ratio_db is not None and g.hb_level_db is not None and g.hb_level_db >= HB_MIN_REL_DB
+                and np.isfinite(g.hb_threshold_db)]
         out.gate_both_headroom_db = round(min(both), 1) if both else None
     if case.kind in ("barge_in", "cold_barge_in") and out.valid and speech and not out.flushed:
         # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)

@@ -38,7 +38,7 @@ import numpy as np
 
 from ...errors import UserError
 from ..files import MODEL_RATE
-from ..port import AudioPort, Capture, OnSilent, Pull
+from ..port import AudioPort, Capture, OnSilent, OnStatus, Pull
 from . import protocol as p
 from .listing import child_env
 from .worker import RING_MIN_BLOCKS
@@ -189,12 +189,18 @@ class DeviceAudio(AudioPort):
         self._drop_fifo = True
         self._send(p.Kind.FLUSH.value)
 
-    def configure(self, *, fade_ms: Optional[float] = None) -> None:
+    def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
         """``fade_ms``: the worker's fade from the next pause, resume or flush on, ms; kept for the
-        workers started later (after a device loss)."""
+        workers started later (after a device loss). ``audio`` (the config's ``audio`` section): its
+        ``retry_max_s`` is the longest back-off from now on, and other ``input``, ``output`` or
+        ``output_block_ms`` reopen the devices (:meth:`reopen`)."""
         if fade_ms is not None:
             self.fade_ms = float(fade_ms)
             self._send(p.pack_json(p.Kind.CONFIGURE, {"fade_ms": self.fade_ms}))
+        if audio is not None:
+            self.backoff = (self.backoff[0], audio.retry_max_s)
+            if (audio.input, audio.output, audio.output_block_ms) != (self.input_name, self.output_name, self.block_ms):
+                self.reopen(audio.input, audio.output, audio.output_block_ms)
 
     def _send(self, msg: bytes) -> None:
         link = self._link
@@ -204,9 +210,14 @@ class DeviceAudio(AudioPort):
             except OSError:
                 pass  # the reader notices a dead worker
 
-    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None) -> None:
+    def start(self, pull: Pull, capture: Capture, on_silent: Optional[OnSilent] = None, *,
+              on_status: Optional[OnStatus] = None, settled=None) -> None:
+        """As :meth:`AudioPort.start`; ``on_status``, if given, replaces the constructor's; ``settled`` is
+        ignored (a device runs in real time)."""
         self.pull, self.capture = pull, capture
         self.on_silent = on_silent or (lambda: None)
+        if on_status is not None:
+            self.on_status = on_status
         self._stop.clear()
         self._sup = threading.Thread(target=self._supervise, name="audio-supervisor", daemon=True)
         self._sup.start()
