@@ -95,6 +95,9 @@ class Listener:
         self.transcript_at = transcript_at
         self.muted = False
         self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
+        self.stream = None  # the streamed pre-fill's feed (``stream(utterance so far)``), see configure()
+        self.stream_step = 8000  # feed every this many new samples of confirmed speech, and at each pause
+        self._fed = 0
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._n = 0
         self._captured = self._done = 0
@@ -115,10 +118,14 @@ class Listener:
         device reopened or a reload rebuilt it, so the echo path is new and the canceller starts cold."""
         self._q.put(("echo", echo))
 
-    def configure(self, *, wake=None) -> None:
+    def configure(self, *, wake=None, stream=None, stream_step_ms: int = 500) -> None:
         """``wake``: a :class:`~appliance.wake.WakeWordDetector` fed with the echo-cancelled microphone
-        (its detections are posted as ``wake``), or None."""
+        (its detections are posted as ``wake``), or None. ``stream``: called on this thread with the
+        confirmed utterance so far (:meth:`VadSegmenter.utterance_audio`) every ``stream_step_ms`` of it and
+        once at each pause of 96 ms (so little is left when the turn ends), or None."""
         self.wake = wake
+        self.stream = stream
+        self.stream_step = int(stream_step_ms) * MODEL_RATE // 1000
 
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
@@ -176,6 +183,18 @@ class Listener:
                 self.post("vad_settled", audio_t=audio_t)
         if was_confirmed and self.segmenter.confirmed:
             self.post("vad_progress", speech_ms=self.segmenter.speech_ms)
+        if self.stream is not None:
+            self._feed_stream()
+
+    def _feed_stream(self) -> None:
+        seg = self.segmenter
+        if not seg.confirmed:
+            self._fed = 0
+            return
+        n = seg.utterance_samples()
+        if n - self._fed >= self.stream_step or (n > self._fed and seg.silence_ms >= 96):
+            self._fed = n
+            self.stream(seg.utterance_audio())
 
 
 class TtsWorker:
@@ -301,7 +320,8 @@ class Parts:
                         max_reply_tokens=m.max_reply_tokens, temperature=m.temperature, top_p=m.top_p,
                         seed=m.seed, history_budget_tokens=m.history_budget_tokens,
                         examples=EMBEDDED_EXAMPLES if embedded else None, store=store,
-                        one_sentence=embedded)  # the embedded base model: one sentence, no stray tail
+                        one_sentence=embedded,  # the embedded base model: one sentence, no stray tail
+                        stream_prefill=m.stream_prefill, stream_left_context_s=m.stream_left_context_ms / 1000.0)
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
         return cls(engine, tts, SileroVad(), load_end_of_turn(cfg))
 
@@ -362,7 +382,10 @@ class Session:
         self.listener = Listener(self.segmenter, self._post, echo=echo, transcript_at=transcript_at)
         from .wake import detector_from_config
 
-        self.listener.configure(wake=detector_from_config(cfg))
+        self._listening = False
+        streams = parts.engine.hears_audio and parts.engine.stream_prefill
+        self.listener.configure(wake=detector_from_config(cfg), stream=self._stream_audio if streams else None,
+                                stream_step_ms=cfg.model.stream_step_ms)
         self.conversation.subscribe(self._on_state)
 
     # Indirections so that the workers can be built before the conversation exists.
@@ -372,12 +395,18 @@ class Session:
     def _on_clause(self, reply_id: int, text: Optional[str]) -> None:
         self.tts_worker.on_clause(reply_id, text)
 
+    def _stream_audio(self, pcm: np.ndarray) -> None:
+        """Pre-fill the utterance while it is spoken, only while listening (not over a reply)."""
+        if self._listening:
+            self.engine_worker.stream_audio(pcm)
+
     def _from_playback(self, name: str, **info) -> None:
         self.conversation.post(name, **info)
 
     def _on_state(self, record: dict) -> None:
         if record.get("event") == "state":
             self.listener.muted = record["state"] == State.MUTED.value
+            self._listening = record["state"] == State.LISTENING.value
             # While the reply is paused for the user, a short silence ends the interjection (then decide).
             self.segmenter.interjecting = record["state"] == State.INTERRUPTED.value
 
