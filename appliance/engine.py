@@ -161,6 +161,7 @@ class TurnResult:
     tail_tokens: Optional[int] = None  # streamed: positions decoded at the end of the turn (audio + template)
     stream_windows: int = 0  # streamed: encoder calls while the user spoke, and at the end of the turn
     stream_encoded_s: float = 0.0  # streamed: seconds of audio through the encoder (windows overlap)
+    first_piece_tokens: Optional[int] = None  # tokens generated when the splitter gave its first piece to TTS
 
 
 _PARAMS_LOCK = threading.Lock()
@@ -998,13 +999,15 @@ class EngineWorker:
         splitter = self.split()
         first = True
         stream = self.engine.start_turn(audio, transcript, context=self.context() if self.context else "")
-        for piece in stream:
+        for n, piece in enumerate(stream, 1):
             if first:
                 self.post("llm_first_token", reply_id=reply_id, prefill_tokens=self.engine.last.prefill_tokens)
                 first = False
             if reply_id in self._cancelled:
                 self.engine.cancel()
             for clause in splitter.feed(piece):
+                if self.engine.last.first_piece_tokens is None:
+                    self.engine.last.first_piece_tokens = n
                 self.on_clause(reply_id, clause)
         if reply_id not in self._cancelled:
             for clause in splitter.flush():
@@ -1013,4 +1016,4 @@ class EngineWorker:
         r = self.engine.last
         self.post("llm_done", reply_id=reply_id, text=r.text, prefill_tokens=r.prefill_tokens,
                   generated_tokens=r.generated_tokens, cancelled=r.cancelled, input=r.input, streamed=r.streamed,
-                  audio_tokens_left=r.audio_tokens_left)
+                  audio_tokens_left=r.audio_tokens_left, first_piece_tokens=r.first_piece_tokens)
