@@ -24,8 +24,12 @@ back and 24 tokens (0.96 s) or more of left context, streamed embeddings equal t
 with 12-14 tokens they differ by about 1e-3 in each window's first 4 tokens, with 6 by 0.07; without the
 hold-back the last token of each window differed (cosine 0.955-0.994). The next-token logits after a
 streamed turn match the whole clip's to 1e-3 of their scale (the decode's batching). See
-``tests/test_audio_prefill.py``. The real E2B has more layers and needs more left context
-(``LEFT_CONTEXT_S``); it can only be checked with its weights (``hw-tests``).
+``tests/test_audio_prefill.py``. The real E2B has more layers, so its exact receptive field is longer
+(``LEFT_CONTEXT_S``: how the left context was chosen); whether it understands streamed turns as well as
+whole clips can only be checked with its weights (``hw-tests/test_latency.py``).
+
+The engine drives it (:meth:`appliance.engine.Engine.stream_audio`, ``prepare_turn``, ``start_turn``,
+``drop_streamed_audio``); ``appliance bench latency`` measures it.
 """
 
 from __future__ import annotations
@@ -46,11 +50,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SAMPLES_PER_TOKEN = 640  # 40 ms at 16 kHz
 LOOKAHEAD_TOKENS = 1  # held back from each window until the next one (the front end's right context)
-# Left context re-encoded before each window's first new token, s: the fixture's one layer needed 24 tokens
-# (0.96 s, measured here); Gemma 4 E2B's conformer has 12 layers (Gemma4AudioConfig's default in transformers
-# 5.24.0, with attention_context_left 13 and conv_kernel_size 5, as the fixture's one layer), so
-# 12 × 0.96 s is *projected*, not measured. Past it, a window costs the same however long the turn.
-LEFT_CONTEXT_S = 11.5
+# Left context re-encoded before each window's first new token, s (``model.stream_left_context_ms``). On the
+# fixture's one conformer layer, 0.96 s gives the whole clip's embeddings exactly and 0.48 s cosine 0.99996
+# (measured here, ``appliance bench latency``). Gemma 4 E2B's conformer has 12 layers (Gemma4AudioConfig's
+# default in transformers 5.24.0, each with attention_context_left 13 and conv_kernel_size 5), so its exact
+# receptive field is up to 12 times longer, about 11.5 s (*projected*). That much cannot be re-encoded on a
+# Pi 5: at the encoder's 0.2 s per audio second (the issue's budget) each window would cost 2.3 s, and the
+# encoder and pre-fill of new audio alone already take 0.98 s per second of speech there (docs/latency.md).
+# So the left context is the fixture's exact one, 0.96 s: the deeper layers see less of the past than with
+# the whole clip. Whether E2B still understands is checked on a Pi with its weights (hw-tests).
+LEFT_CONTEXT_S = 0.96
 
 
 class AudioEncoder:
@@ -209,6 +218,7 @@ class StreamedAudioTurn:
         self.windows = 0  # encoder calls
         self.encode_s = self.decode_s = 0.0  # wall time in the encoder and in llama_decode, s
         self._fed: Optional[np.ndarray] = None  # the audio of the last feed (its decoded part must not change)
+        self.prepared = False  # opened before the user spoke (Engine.prepare_turn)
         self.llm._ctx.kv_cache_seq_rm(seq_id, self.start, -1)
         self.pos = decode_tokens(self.llm, before, self.start, seq_id)
         self._audio_start = self.pos

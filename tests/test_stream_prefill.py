@@ -118,14 +118,19 @@ def test_the_worker_pre_fills_on_its_thread_and_rolls_back_what_the_conversation
         assert e._stream is not None and e._stream.done >= 36 and e.n_past > start + 36
         w.drop_audio()
         assert w.sync()
-        assert e.n_past == start and e._stream is None
-        # A streamed turn through the worker: the turn job claims the pre-filled audio.
+        # The blip's audio is gone; the idle engine has the next turn's opening ready again (no audio in it).
+        opening = e._stream.pos - e._stream.start
+        assert e._stream.prepared and e._stream.done == 0 and e.n_past == start + opening
+        mem = llama_cpp.llama_get_memory(e.llm.ctx)
+        assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == e.n_past - 1
+        # A streamed turn through the worker: the turn job claims the pre-filled audio, on the prepared opening.
         for n in range(8000, len(speech), 8000):
             w.stream_audio(speech[:n])
         w.submit_turn(1, speech, None)
         assert w.sync()
         done = [kw for name, kw in posted if name == "llm_done"]
         assert done and done[-1]["streamed"] is True and done[-1]["audio_tokens_left"] <= 14
+        assert e.last.stream_prepared
     finally:
         w.stop()
 

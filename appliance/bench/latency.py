@@ -102,7 +102,9 @@ class Outcome:
     eot_t: Optional[float] = None
     final_samples: int = 0
     first_piece_tokens: Optional[int] = None
+    prepared: bool = False  # the fixture's turn opening was in its cache before the question
     projected_ms: Optional[float] = None
+    budget: dict = field(default_factory=dict)  # the projection's terms, ms
     whole_projected_ms: Optional[float] = None
     note: str = ""
 
@@ -163,11 +165,12 @@ class FixtureEar:
                              system_prompt="Be brief.", stream_prefill=True, stream_left_context_s=left_context_s)
         self.results: list[dict] = []
         self.worker = EngineWorker(self.engine, post=self._post, on_clause=lambda rid, text: None)
+        self.worker.configure(context=None)  # prepares the next turn's opening while idle, as the product's does
         self._reply = 0
 
     def _post(self, name: str, **info) -> None:
         if name == "llm_done":
-            self.results.append(info)
+            self.results.append({**info, "stream_prepared": self.engine.last.stream_prepared})
             self.worker.commit(info["reply_id"], info.get("text", ""), complete=True)
 
     def turn(self, audio: np.ndarray) -> None:
@@ -177,6 +180,7 @@ class FixtureEar:
     def reset(self) -> None:
         self.worker.sync()
         self.worker.call(self.engine.forget)
+        self.worker.call(self.worker._prepare)
         self.worker.sync()
         self.results = []
 
@@ -252,21 +256,21 @@ def run_case(case: Case, parts: Parts, cfg: Config, ear: FixtureEar, noise: np.n
     first = [r["t"] for r in recs if r["event"] == "tts_first_audio"]
     if first and first[0] >= end_t:
         out.first_audio_ms = round((first[0] - end_t) * 1000.0, 1)
-    done = [r for r in recs if r["event"] == "llm_done"]
-    if done and done[0].get("first_piece_tokens"):
-        out.first_piece_tokens = int(done[0]["first_piece_tokens"])
+    if first and parts.engine.last.first_piece_tokens:
+        out.first_piece_tokens = int(parts.engine.last.first_piece_tokens)
     out.tokens_left = [r["audio_tokens_left"] for r in ear.results if r.get("audio_tokens_left") is not None]
+    out.prepared = bool(ear.results) and bool(ear.results[0].get("stream_prepared"))
     return out
 
 
-def project_pi5(out: Outcome, left_context_s: float, first_piece_tokens: int, pi: dict = PI5) -> Optional[float]:
-    """End of speech → first audio on a Pi 5 for one case, ms (*projected*; see :data:`FORMULA`), or None
-    when the case has no end of turn after its speech."""
+def project_pi5(out: Outcome, left_context_s: float, first_piece_tokens: int, pi: dict = PI5) -> Optional[dict]:
+    """End of speech → first audio on a Pi 5 for one case (*projected*; see :data:`FORMULA`): its terms in ms
+    and their ``total``, or None when the case has no end of turn after its speech."""
     if out.eot_t is None or not out.final_samples:
         return None
     enc, pre, tok = pi["encoder_s_per_audio_s"], pi["prefill_tok_s"], 1.0 / pi["audio_tok_s"]
     left = int(round(left_context_s / tok))
-    free, done, opened, i = float("-inf"), 0, False, 0
+    free, done, opened, i = float("-inf"), 0, out.prepared, 0
     feeds = [f for f in out.feeds if f[0] <= out.eot_t]
     while i < len(feeds):
         start = max(free, feeds[i][0])
@@ -281,12 +285,14 @@ def project_pi5(out: Outcome, left_context_s: float, first_piece_tokens: int, pi
         i += 1
     n_final = out.final_samples // 640
     done = min(done, max(0, n_final - 1))
-    start = max(free, out.eot_t)
     first = max(0, done - left)
-    tail = enc * (n_final - first) * tok + (n_final - done + pi["after_tokens"]) / pre \
-        + (0.0 if opened else pi["opening_tokens"] / pre)
-    gen = max(0, first_piece_tokens - 1) / pi["gen_tok_s"]
-    return round((start - out.end_t + tail + gen + pi["piper_first_piece_s"]) * 1000.0, 1)
+    terms = {"eot_detect": out.eot_t - out.end_t, "backlog": max(0.0, free - out.eot_t),
+             "tail_encoder": enc * (n_final - first) * tok,
+             "tail_prefill": (n_final - done + pi["after_tokens"]) / pre + (0.0 if opened else pi["opening_tokens"] / pre),
+             "first_piece": max(0, first_piece_tokens - 1) / pi["gen_tok_s"], "piper": pi["piper_first_piece_s"]}
+    terms = {k: round(v * 1000.0, 1) for k, v in terms.items()}
+    terms["total"] = round(sum(terms.values()), 1)
+    return terms
 
 
 def project_pi5_whole(out: Outcome, first_piece_tokens: int, pi: dict = PI5, silence_s: float = 0.5) -> float:
@@ -405,8 +411,11 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
     pieces = [o.first_piece_tokens for o in outcomes if o.first_piece_tokens]
     k = int(np.median(pieces)) if pieces else 5
     for o in outcomes:
-        o.projected_ms = project_pi5(o, left_s, o.first_piece_tokens or k)
+        o.budget = project_pi5(o, left_s, o.first_piece_tokens or k) or {}
+        o.projected_ms = o.budget.get("total")
         o.whole_projected_ms = project_pi5_whole(o, o.first_piece_tokens or k)
+    for o in outcomes:
+        print_line(f"{o.case.label[:48]:48} Pi 5 projected (ms): {o.budget} | whole clip: {o.whole_projected_ms}")
     questions = [c.audio for c in cases if c.label.startswith("joe") and not c.noise][:4]
     svw, sweep = streamed_vs_whole(questions, left_s, step_s)
     summary = summarise(outcomes, smart, svw)
