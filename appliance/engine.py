@@ -406,7 +406,7 @@ class Engine:
             if stream is not None:
                 before = stream.start
                 stale = stream.done == 0 and self._stream_context != context  # prepared in another minute
-                if use_audio and not stale and self._finish_stream(stream, clip):
+                if use_audio and self.stream_prefill and not stale and self._finish_stream(stream, clip):
                     context = self._stream_context
                 else:
                     stream.rollback()
