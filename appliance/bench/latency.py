@@ -427,6 +427,11 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
         print_line(f"Pi 5 projected end of speech -> first audio, {name} (n {len(after)}): streamed + Smart Turn "
                    f"p50 {pct(after, 50)} / p95 {pct(after, 95)} ms; whole clip after 500 ms of silence "
                    f"p50 {pct(before, 50)} / p95 {pct(before, 95)} ms; first piece waited for {k} tokens (median)")
+    for alt in sorted({0.48, 0.96, 1.92} - {left_s}):  # the same turns at another left context (same feeds)
+        alt_ms = [b["total"] for o in outcomes if not o.premature
+                  for b in [project_pi5(o, alt, o.first_piece_tokens or k)] if b]
+        print_line(f"Pi 5 projected with a left context of {alt * 1000:.0f} ms instead: p50 {pct(alt_ms, 50)} / "
+                   f"p95 {pct(alt_ms, 95)} ms")
     text = json.dumps(summary, indent=2, default=jsonable)
     print_line(text)
     if json_path:
