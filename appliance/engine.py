@@ -465,7 +465,7 @@ class Engine:
         with self._lock:
             if not (self.hears_audio and self.stream_prefill) or self._reply_start is not None or self._stream_failed:
                 return 0
-            from .audio_prefill import SAMPLES_PER_TOKEN, StreamedAudioTurn
+            from .audio_prefill import SAMPLES_PER_TOKEN
 
             pcm = np.asarray(pcm, dtype=np.float32)[: 30 * 16000]
             try:

@@ -144,3 +144,23 @@ def test_thinking_mode_is_off():
     assert think[0] not in list(e.llm.input_ids[: e.n_past])  # the system prompt as evaluated
     turn = e._tokens(e.fmt.user_turn(CONTEXT + "\nHello"))
     assert think[0] not in turn and "<|think|>" not in e._system_text()
+
+
+def test_streamed_turns_in_a_small_cache_make_room_and_lose_no_turn(speech):
+    """Issue 17's room rules hold for streamed turns: a prepared opening and a streamed utterance in a cache
+    that fills every few turns; the history is pruned and rebuilt behind them, and no turn is lost."""
+    e = tiny(n_ctx=640, history_budget_tokens=320, max_reply_tokens=12)
+    streamed = 0
+    for i in range(24):
+        clip = speech[: 16000 + 8000 * (i % 3)]
+        e.prepare_turn(CONTEXT)
+        for n in range(8000, len(clip), 8000):
+            e.stream_audio(clip[:n], CONTEXT)
+        text = "".join(e.start_turn(clip, None, context=CONTEXT))
+        streamed += e.last.streamed
+        assert e.last.prefill_tokens > 0
+        e.commit_spoken(text, complete=i % 4 != 1)
+        while not e.background_step(lambda: False):
+            pass
+    assert streamed >= 20 and e.decode_failures == 0 and e.rebuilds
+    assert [m.role for m in e.history] == ["user", "model"] * (len(e.history) // 2)
