@@ -13,7 +13,6 @@ import pytest
 import llama_cpp
 
 from appliance.audio.files import load_audio
-from appliance.audio_prefill import SAMPLES_PER_TOKEN
 from appliance.engine import Engine, EngineWorker
 
 from conftest import DEMO
