@@ -24,14 +24,19 @@ back and 24 tokens (0.96 s) or more of left context, streamed embeddings equal t
 with 12-14 tokens they differ by about 1e-3 in each window's first 4 tokens, with 6 by 0.07; without the
 hold-back the last token of each window differed (cosine 0.955-0.994). The next-token logits after a
 streamed turn match the whole clip's to 1e-3 of their scale (the decode's batching). See
-``tests/test_audio_prefill.py``. The real E2B has more layers and needs more left context
-(``LEFT_CONTEXT_S``); it can only be checked with its weights (``hw-tests``).
+``tests/test_audio_prefill.py``. The real E2B has more layers, so its exact receptive field is longer
+(``LEFT_CONTEXT_S``: how the left context was chosen); whether it understands streamed turns as well as
+whole clips can only be checked with its weights (``hw-tests/test_latency.py``).
+
+The engine drives it (:meth:`appliance.engine.Engine.stream_audio`, ``prepare_turn``, ``start_turn``,
+``drop_streamed_audio``); ``appliance bench latency`` measures it.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
@@ -45,11 +50,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SAMPLES_PER_TOKEN = 640  # 40 ms at 16 kHz
 LOOKAHEAD_TOKENS = 1  # held back from each window until the next one (the front end's right context)
-# Left context re-encoded before each window's first new token, s: the fixture's one layer needed 24 tokens
-# (0.96 s, measured here); Gemma 4 E2B's conformer has 12 layers (Gemma4AudioConfig's default in transformers
-# 5.24.0, with attention_context_left 13 and conv_kernel_size 5, as the fixture's one layer), so
-# 12 × 0.96 s is *projected*, not measured. Past it, a window costs the same however long the turn.
-LEFT_CONTEXT_S = 11.5
+# Left context re-encoded before each window's first new token, s (``model.stream_left_context_ms``). On the
+# fixture's one conformer layer, 0.96 s gives the whole clip's embeddings exactly and 0.48 s cosine 0.99996
+# (measured here, ``appliance bench latency``). Gemma 4 E2B's conformer has 12 layers (Gemma4AudioConfig's
+# default in transformers 5.24.0, each with attention_context_left 13 and conv_kernel_size 5), so its exact
+# receptive field is up to 12 times longer, about 11.5 s (*projected*). That much cannot be re-encoded on a
+# Pi 5: at the encoder's 0.2 s per audio second (the issue's budget) each window would cost 2.3 s, and the
+# encoder and pre-fill of new audio alone already take 0.98 s per second of speech there (docs/latency.md).
+# So the left context is the fixture's exact one, 0.96 s: the deeper layers see less of the past than with
+# the whole clip. Whether E2B still understands is checked on a Pi with its weights (hw-tests).
+LEFT_CONTEXT_S = 0.96
 
 
 class AudioEncoder:
@@ -150,6 +160,35 @@ def decode_embeddings(llm: "Llama", embd: np.ndarray, pos: int, seq_id: int = 0,
     return pos + n
 
 
+def decode_tokens(llm: "Llama", tokens: list[int], pos: int, seq_id: int = 0, n_batch: Optional[int] = None,
+                  on_batch: Optional[Callable[[list[int], int], None]] = None) -> int:
+    """Decode token ids into ``llm``'s context at positions ``pos..pos+n-1`` of ``seq_id``, in batches of
+    ``n_batch`` (default and at most the context's ``n_batch``), with logits for the last token of each batch
+    (so the last one is ready for ``llm.sample()``). For sequence 0, ``llm``'s own bookkeeping
+    (``n_tokens``, ``input_ids``) follows each batch. ``on_batch(chunk, pos)`` is called after each batch.
+    Returns ``pos + n``. Nothing is removed from the cache first (the caller does that).
+
+    :raises RuntimeError: ``llama_decode`` failed (the batches before it stay in the cache).
+    """
+    step = max(1, min(int(n_batch or 1 << 30), int(llama_cpp.llama_n_batch(llm.ctx))))
+    b = llm._batch.batch
+    for i in range(0, len(tokens), step):
+        chunk = tokens[i : i + step]
+        b.n_tokens = len(chunk)
+        for j, t in enumerate(chunk):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, pos + j, 1, False
+            b.seq_id[j][0] = seq_id
+        b.logits[len(chunk) - 1] = True
+        llm._ctx.decode(llm._batch)
+        if seq_id == 0:
+            llm.input_ids[pos : pos + len(chunk)] = chunk
+            llm.n_tokens = pos + len(chunk)
+        if on_batch is not None:
+            on_batch(chunk, pos)
+        pos += len(chunk)
+    return pos
+
+
 class StreamedAudioTurn:
     """One user turn of audio, pre-filled into the KV cache as it arrives.
 
@@ -176,26 +215,27 @@ class StreamedAudioTurn:
         before, self._after = template_around_audio(audio, text_with_marker)
         self.done = 0  # audio tokens decoded so far
         self.encoded_s = 0.0  # seconds of audio run through the encoder (windows overlap)
+        self.windows = 0  # encoder calls
+        self.encode_s = self.decode_s = 0.0  # wall time in the encoder and in llama_decode, s
+        self._fed: Optional[np.ndarray] = None  # the audio of the last feed (its decoded part must not change)
+        self.prepared = False  # opened before the user spoke (Engine.prepare_turn)
         self.llm._ctx.kv_cache_seq_rm(seq_id, self.start, -1)
-        self._decode_tokens(before, self.start, logits=False)
-        self.pos = self.start + len(before)
+        self.pos = decode_tokens(self.llm, before, self.start, seq_id)
         self._audio_start = self.pos
 
-    def _decode_tokens(self, tokens: list[int], pos: int, logits: bool) -> None:
-        llm = self.llm
-        b = llm._batch.batch
-        step = max(1, int(llama_cpp.llama_n_batch(llm.ctx)))
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i : i + step]
-            b.n_tokens = len(chunk)
-            for j, t in enumerate(chunk):
-                b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, pos + i + j, 1, False
-                b.seq_id[j][0] = self.seq_id
-            b.logits[len(chunk) - 1] = logits and i + len(chunk) == len(tokens)
-            llm._ctx.decode(llm._batch)
-        if self.seq_id == 0:
-            llm.input_ids[pos : pos + len(tokens)] = tokens
-            llm.n_tokens = pos + len(tokens)
+    @property
+    def after_tokens(self) -> int:
+        """Template tokens after the audio (``<audio|>`` and the rest of the turn), decoded at :meth:`finish`."""
+        return len(self._after)
+
+    def matches(self, pcm: np.ndarray) -> bool:
+        """True if ``pcm`` (the turn's final audio) begins with the audio decoded so far: the same samples
+        up to the end of the last decoded token and its held-back right context. If not (another clip: an
+        interjection joined to what followed it), the turn must be rolled back and encoded whole."""
+        if self._fed is None or self.done == 0:
+            return True
+        n = min(len(self._fed), (self.done + LOOKAHEAD_TOKENS) * SAMPLES_PER_TOKEN)
+        return len(pcm) >= self.done * SAMPLES_PER_TOKEN and np.array_equal(pcm[:n], self._fed[:n])
 
     def _decode_audio(self, pcm: np.ndarray, upto: int) -> None:
         """Encode the window that ends at token ``available`` and decode tokens ``[done, upto)``."""
@@ -204,10 +244,15 @@ class StreamedAudioTurn:
             return
         first = max(0, self.done - self.left_tokens)
         window = pcm[first * SAMPLES_PER_TOKEN : available * SAMPLES_PER_TOKEN]
+        t0 = time.perf_counter()
         embd = self.encoder.encode(window)
+        t1 = time.perf_counter()
         self.encoded_s += len(window) / 16000.0
+        self.windows += 1
         new = embd[self.done - first : upto - first]
         self.pos = decode_embeddings(self.llm, new, self.pos, self.seq_id)
+        self.encode_s += t1 - t0
+        self.decode_s += time.perf_counter() - t1
         if self.seq_id == 0:
             self.llm.input_ids[self.pos - len(new) : self.pos] = self.audio.audio_placeholder
             self.llm.n_tokens = self.pos
@@ -216,21 +261,40 @@ class StreamedAudioTurn:
     def feed(self, pcm: np.ndarray) -> int:
         """Decode the audio tokens of ``pcm`` (float32 [n], all the turn's audio so far, 16 kHz) that are
         final: all but the last ``LOOKAHEAD_TOKENS`` of its whole 40 ms tokens. Returns the tokens decoded
-        so far."""
-        available = len(pcm) // SAMPLES_PER_TOKEN
-        self._decode_audio(pcm, available - LOOKAHEAD_TOKENS)
-        return self.done
+        so far.
 
-    def finish(self, pcm: np.ndarray) -> tuple[int, int]:
-        """The end of the turn: decode the remaining audio tokens of ``pcm`` (the whole turn's audio; a tail
-        under 40 ms is dropped, as the whole-clip encoder drops it), then ``<audio|>`` and the rest of the
-        template, with logits for sampling. Returns ``(new n_past, audio tokens left at the end of turn)``.
+        :raises RuntimeError: the encoder or ``llama_decode`` failed (roll the turn back).
         """
         available = len(pcm) // SAMPLES_PER_TOKEN
+        if available - LOOKAHEAD_TOKENS > self.done:
+            self._fed = pcm
+            self._decode_audio(pcm, available - LOOKAHEAD_TOKENS)
+        return self.done
+
+    def pending_tokens(self, pcm: np.ndarray) -> int:
+        """Audio tokens of ``pcm`` that :meth:`finish` would still decode (the end of turn's share)."""
+        return len(pcm) // SAMPLES_PER_TOKEN - min(self.done, max(0, len(pcm) // SAMPLES_PER_TOKEN - LOOKAHEAD_TOKENS))
+
+    def finish(self, pcm: np.ndarray) -> tuple[int, int]:
+        """The end of the turn: decode the remaining audio tokens of ``pcm`` (the whole turn's audio, which
+        :meth:`matches` what was fed; whole 40 ms tokens, a shorter tail is dropped), then ``<audio|>`` and
+        the rest of the template, with logits for sampling. If ``pcm`` ends before what was already decoded
+        and its held-back token (the utterance was cut where its speech ended, and a feed had gone on into
+        the pause), the tokens past its end are rolled back first. Returns ``(new n_past, audio tokens left
+        at the end of turn)``.
+
+        :raises RuntimeError: the encoder or ``llama_decode`` failed (roll the turn back).
+        """
+        available = len(pcm) // SAMPLES_PER_TOKEN
+        keep = min(self.done, max(0, available - LOOKAHEAD_TOKENS))
+        if keep < self.done:
+            self.llm._ctx.kv_cache_seq_rm(self.seq_id, self._audio_start + keep, -1)
+            self.done, self.pos = keep, self._audio_start + keep
+            if self.seq_id == 0:
+                self.llm.n_tokens = self.pos
         left = available - self.done
         self._decode_audio(pcm, available)
-        self._decode_tokens(self._after, self.pos, logits=True)
-        self.pos += len(self._after)
+        self.pos = decode_tokens(self.llm, self._after, self.pos, self.seq_id)
         if self.seq_id == 0:
             self.llm._requires_eval = False
         self.audio.last_audio_tokens = self.done

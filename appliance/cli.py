@@ -235,6 +235,17 @@ def cmd_bench_interruption(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from .bench import latency
+    from .pipeline import Parts
+
+    cfg = _config(args)
+    json_out = _json_out(args)
+    parts = Parts.load(cfg, persist=False)
+    latency.run(cfg, parts, json_out, Path(args.cache), quick=args.quick, print_line=lambda s: print(s, flush=True))
+    return 0
+
+
 def cmd_bench_wake(args: argparse.Namespace) -> int:
     from .bench import wake
     from .speech import Tts
@@ -322,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quick", action="store_true", help="a small subset of the suite (a smoke run)")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
+
+    sp = bench.add_parser("latency", help="end of turn and answer speed: EOT delay, premature EOTs, audio left at "
+                                          "EOT, streamed vs whole clip, Pi 5 projection (real time, minutes)")
+    sp.add_argument("--json", help="write the summary to this JSON file")
+    sp.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),
+                    help="where generated bench speech is cached (default ~/.cache/appliance/bench-audio)")
+    sp.add_argument("--quick", action="store_true", help="a small subset of the suite (a smoke run)")
+    common(sp)
+    sp.set_defaults(func=cmd_bench_latency)
 
     sp = bench.add_parser("wake", help="wake word: detection in 5 voices, false wakes per hour on speech, music and "
                                        "TV-like audio, wake-to-listening latency, CPU (offline, tens of minutes)")

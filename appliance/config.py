@@ -60,6 +60,10 @@ class ModelConfig(_Section):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     seed: int = 0
     history_budget_tokens: int = Field(2048, ge=128)
+    # Pre-fill the user's audio while they speak (a model that hears); false: encode each turn whole after it.
+    stream_prefill: bool = True
+    stream_step_ms: int = Field(500, ge=100, le=5000)  # new speech per streamed window (and one at each pause)
+    stream_left_context_ms: int = Field(960, ge=0, le=30000)  # audio re-encoded before each window's new tokens
     # Kept for existing configs: when set, it replaces assistant.system_prompt.
     system_prompt: Optional[str] = None
 

@@ -86,6 +86,7 @@ class EngineControl(Protocol):
     def cancel(self, reply_id: int) -> None: ...
     def commit(self, reply_id: int, spoken_text: str, complete: bool) -> None: ...
     def forget(self) -> None: ...  # drop the history (after the jobs already queued)
+    def drop_audio(self) -> None: ...  # roll back the audio streamed in of an utterance that is no turn
 
 
 @dataclass
@@ -393,15 +394,19 @@ class Conversation:
         if self._held is not None and self.state == State.LISTENING:
             if self._held[3] and self.stop_words_only_silence \
                     and self.turn_taker.stop_command(info.get("speech_ms", 0.0), audio) is True:
-                return  # "Wait," … "stop.": still a stop command alone; ``vad_settled`` decides
+                return self._not_a_turn()  # "Wait," … "stop.": still a stop command alone; ``vad_settled`` decides
             audio, transcript = self._join_held(audio, transcript)
         elif self.state == State.LISTENING and not self._accepts(info):
-            return
+            return self._not_a_turn()
         if self.state == State.THINKING and self._turn is not None:
             # The user went on talking before we said anything: drop the unsaid reply, take the new words.
             self._abort_reply(info["t"], reason="user continued")
             self._set(State.LISTENING, info["t"])
         self._start_turn(info, audio, transcript)
+
+    def _not_a_turn(self) -> None:
+        """The utterance that just ended is no turn: the engine rolls back what it pre-filled of it."""
+        self.engine.drop_audio()
 
     def _on_vad_settled(self, info: dict) -> None:
         """The user stopped talking after an interjection: a held stop word becomes the turn, or, when it
@@ -456,7 +461,8 @@ class Conversation:
     def _on_llm_done(self, info: dict) -> None:
         if self._turn and info.get("reply_id") == self._turn.reply_id:
             self._turn.generated = info.get("text", "")
-            self._turn.metrics.update({k: info[k] for k in ("prefill_tokens", "generated_tokens", "input") if k in info})
+            self._turn.metrics.update({k: info[k] for k in ("prefill_tokens", "generated_tokens", "input", "streamed",
+                                                           "audio_tokens_left") if k in info})
         self._emit(Ev.LLM_DONE, **info)
 
     def _on_tts_first_audio(self, info: dict) -> None:

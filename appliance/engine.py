@@ -156,6 +156,13 @@ class TurnResult:
     input: str = "text"
     prefill_ms: float = 0.0
     first_token_ms: Optional[float] = None
+    streamed: bool = False  # the audio was pre-filled while the user spoke (stream_audio), not encoded whole
+    audio_tokens_left: Optional[int] = None  # streamed: audio tokens still to decode at the end of the turn
+    tail_tokens: Optional[int] = None  # streamed: positions decoded at the end of the turn (audio + template)
+    stream_windows: int = 0  # streamed: encoder calls while the user spoke, and at the end of the turn
+    stream_encoded_s: float = 0.0  # streamed: seconds of audio through the encoder (windows overlap)
+    first_piece_tokens: Optional[int] = None  # tokens generated when the splitter gave its first piece to TTS
+    stream_prepared: bool = False  # streamed: the turn's opening was in the cache before the user spoke
 
 
 _PARAMS_LOCK = threading.Lock()
@@ -249,6 +256,10 @@ class Engine:
         are dropped (down to half of it) in a background rebuild. ``n_ctx`` must hold the budget, the
         half-size shadow and one turn.
     :param store: where the history persists (:class:`appliance.history.HistoryStore`), or None.
+    :param stream_prefill: pre-fill the user's audio while they speak (:meth:`stream_audio`); False: each
+        turn's clip is encoded whole after the turn (for comparison).
+    :param stream_left_context_s: audio re-encoded before each streamed window's new tokens, s (default
+        :data:`appliance.audio_prefill.LEFT_CONTEXT_S`).
     :raises UserError: a missing or unloadable model file (one line naming the file).
     """
 
@@ -256,7 +267,8 @@ class Engine:
                  n_threads: int = 4, n_batch: int = 512, kv_cache_type: str = "q4_0",
                  system_prompt: str = "", max_reply_tokens: int = 160, temperature: float = 0.7,
                  top_p: float = 0.95, seed: int = 0, history_budget_tokens: int = 2048,
-                 examples: Optional[list[tuple[str, str]]] = None, store=None, one_sentence: bool = False):
+                 examples: Optional[list[tuple[str, str]]] = None, store=None, one_sentence: bool = False,
+                 stream_prefill: bool = True, stream_left_context_s: Optional[float] = None):
         import llama_cpp
 
         if "callback" not in _llama_log_state:
@@ -293,6 +305,13 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.history_budget_tokens = history_budget_tokens
+        self.stream_prefill = bool(stream_prefill)
+        from .audio_prefill import LEFT_CONTEXT_S
+
+        self.stream_left_context_s = LEFT_CONTEXT_S if stream_left_context_s is None else float(stream_left_context_s)
+        self._stream = None  # the StreamedAudioTurn being pre-filled while the user speaks
+        self._stream_context = ""
+        self._stream_failed = False  # a feed of this utterance failed: the turn is encoded whole
         self.audio = None
         if mmproj:
             from .mtmd_audio import AudioModelError, MtmdAudio
@@ -382,11 +401,23 @@ class Engine:
             use_audio = self.hears_audio and audio is not None and len(audio) > 0
             if not use_audio and not transcript:
                 raise NothingToHear("this model cannot hear audio and no transcript was given")
-            clip = np.asarray(audio, dtype=np.float32)[: 30 * 16000] if use_audio else None
+            clip = _whole_tokens(np.asarray(audio, dtype=np.float32)[: 30 * 16000]) if use_audio else None
+            stream, self._stream, self._stream_failed = self._stream, None, False
+            if stream is not None:
+                before = stream.start
+                stale = stream.done == 0 and self._stream_context != context  # prepared in another minute
+                if use_audio and self.stream_prefill and not stale and self._finish_stream(stream, clip):
+                    context = self._stream_context
+                else:
+                    stream.rollback()
+                    stream = None
             ids = None if use_audio else self._tokens(self.fmt.user_turn(_opened(context, transcript)))
             incoming = (self._audio_tokens(clip) + len(context) // 2 + 8) if use_audio else len(ids)
-            self._make_room(incoming + self.max_reply_tokens + 16)
+            if stream is None:
+                self._make_room(incoming + self.max_reply_tokens + 16)
             for attempt in (1, 2):
+                if stream is not None:
+                    break
                 before = self.n_past
                 try:
                     if use_audio:
@@ -413,6 +444,115 @@ class Engine:
             self.last.prefill_ms = (time.perf_counter() - t0) * 1000.0
             self._reply_start = self.n_past
         return self._generate(t0)
+
+    def stream_audio(self, pcm: np.ndarray, context: str = "") -> int:
+        """Pre-fill the user's speech so far while they are still talking (streamed pre-fill).
+
+        The first call opens the user's turn in the active sequence (its opening text, ``context`` and
+        ``<|audio>``); each call then encodes the new audio (with the left context chosen in
+        :mod:`appliance.audio_prefill`) and appends the embeddings of its final tokens at ``n_past``. The next
+        :meth:`start_turn` with the same audio (a clip that begins with what was fed) only decodes the last
+        tokens, ``<audio|>`` and the rest of the template; any other turn, or :meth:`drop_streamed_audio`,
+        rolls the speculative tokens back. Runs on the engine's thread (:class:`EngineWorker`).
+
+        :param pcm: float32 [n] mono 16 kHz: all of the utterance so far, from its first sample (the same
+            samples each call, growing).
+        :param context: the turn's opening line (the local date and time), read when the turn opens.
+        :returns: audio tokens pre-filled so far; 0 when nothing is streamed (the model cannot hear,
+            ``stream_prefill`` is off, a reply is still open, or a feed of this utterance failed: then the
+            turn is encoded whole, as before).
+        """
+        with self._lock:
+            if not (self.hears_audio and self.stream_prefill) or self._reply_start is not None or self._stream_failed:
+                return 0
+            from .audio_prefill import SAMPLES_PER_TOKEN
+
+            pcm = np.asarray(pcm, dtype=np.float32)[: 30 * 16000]
+            try:
+                if self._stream is not None and self._stream.done == 0 and self._stream_context != context:
+                    self._drop_stream()  # a prepared opening from another minute
+                if self._stream is None:
+                    self._open_stream(context)
+                    self._stream.prepared = False
+                self._room(ACTIVE, self.n_past, max(0, len(pcm) // SAMPLES_PER_TOKEN - self._stream.done))
+                return self._stream.feed(pcm)
+            except (CacheFull, RuntimeError) as exc:
+                log.warning("streamed pre-fill given up for this utterance (%s); it will be encoded whole", exc)
+                self._drop_stream()
+                self._stream_failed = True
+                return 0
+
+    def prepare_turn(self, context: str = "") -> bool:
+        """While idle, pre-fill the opening of the next user turn (its markup, ``context`` and ``<|audio>``)
+        so that the first :meth:`stream_audio` of the next utterance only has audio to decode: on a Pi 5 the
+        opening's ~20 tokens take about 0.6 s. Nothing happens when the model cannot hear, ``stream_prefill``
+        is off, a reply or a rebuild is pending, or the same opening is already there; a prepared opening of
+        another ``context`` is replaced. Returns True if an opening is now prepared."""
+        with self._lock:
+            if not (self.hears_audio and self.stream_prefill) or self._reply_start is not None \
+                    or self._rebuild is not None:
+                return False
+            if self._stream is not None:
+                if self._stream.done or self._stream_context == context:
+                    return self._stream.done == 0
+                self._drop_stream()
+            try:
+                self._open_stream(context)
+            except (CacheFull, RuntimeError) as exc:
+                log.info("the next turn's opening was not prepared (%s)", exc)
+                self._drop_stream()
+                return False
+            self._stream.prepared = True
+            return True
+
+    def _open_stream(self, context: str) -> None:
+        from .audio_prefill import StreamedAudioTurn
+
+        opening = len(self._tokens(self.fmt.user_turn(_opened(context, ""))))
+        # Room for a 10 s question and the reply now; start_turn checks the rest at the end.
+        self._make_room(opening + 250 + 16 + self.max_reply_tokens + 16)
+        self._room(ACTIVE, self.n_past, opening + 1)
+        self._stream = StreamedAudioTurn(self.audio, self.fmt.user_turn(_opened(context, AUDIO_MARKER)),
+                                         self.n_past, self.stream_left_context_s)
+        self._stream_context = context
+
+    def drop_streamed_audio(self) -> bool:
+        """The utterance being pre-filled did not become a turn (a blip, a backchannel, an utterance the
+        conversation ignored): roll its speculative tokens back, so ``n_past`` is where it was before the
+        utterance. Returns True if there was one."""
+        with self._lock:
+            self._stream_failed = False
+            return self._drop_stream()
+
+    def _drop_stream(self) -> bool:
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return False
+        stream.rollback()
+        return True
+
+    def _finish_stream(self, stream, clip: np.ndarray) -> bool:
+        """End a streamed turn with its final clip: True if it is now in the cache, with logits ready; False
+        if it must be rolled back (another clip, or no room for the rest and the reply)."""
+        if not stream.matches(clip):
+            log.info("the turn's audio is not the one pre-filled (an interjection joined to it): encoded whole")
+            return False
+        need = stream.pending_tokens(clip) + stream.after_tokens + self.max_reply_tokens + 16
+        if self.n_past + self._cells(SHADOW) + need > self.n_ctx:
+            return False
+        at = self.n_past
+        try:
+            _, left = stream.finish(clip)
+        except RuntimeError as exc:
+            log.warning("streamed pre-fill failed at the end of the turn (%s): encoded whole", exc)
+            return False
+        self.last.streamed = True
+        self.last.audio_tokens_left = left
+        self.last.tail_tokens = self.n_past - at
+        self.last.stream_windows = stream.windows
+        self.last.stream_encoded_s = round(stream.encoded_s, 3)
+        self.last.stream_prepared = bool(getattr(stream, "prepared", False))
+        return True
 
     def _plain_english(self, input_ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
         """llama.cpp custom sampler (first in its chain, so ``logits`` is the whole vocabulary in id order)."""
@@ -497,6 +637,7 @@ class Engine:
     def forget(self) -> None:
         """Start a fresh conversation: clear the history, its store and the cache (keeps the system prompt)."""
         with self._lock:
+            self._drop_stream()
             self.history.clear()
             self._rebuild = None
             if self.store is not None:
@@ -522,7 +663,9 @@ class Engine:
                 rb = self._rebuild
                 if rb is None:
                     return True
-                if self._reply_start is not None:
+                if self._stream is not None and self._stream.done == 0:
+                    self._drop_stream()  # a prepared opening gives way (prepared again after the rebuild)
+                if self._reply_start is not None or self._stream is not None:
                     return False  # a turn is open on the active sequence: resume after its commit
                 if not rb.pending:
                     if [id(m) for m in rb.kept] != [id(m) for m in self.history]:
@@ -572,33 +715,22 @@ class Engine:
         """Evaluate ``tokens`` into sequence ``seq`` at ``pos`` (removing anything at or after ``pos``
         in that sequence only), in batches of ``n_batch``; the active sequence keeps ``llm``'s own
         bookkeeping (``n_tokens``, ``input_ids``) so sampling works as usual."""
+        from .audio_prefill import decode_tokens
+
         llm = self.llm
         self._room(seq, pos, len(tokens))
         llm._ctx.kv_cache_seq_rm(seq, pos, -1)
-        b = llm._batch.batch
-        for i in range(0, len(tokens), self.n_batch):
-            chunk = tokens[i : i + self.n_batch]
-            b.n_tokens = len(chunk)
-            for j, t in enumerate(chunk):
-                b.token[j] = t
-                b.pos[j] = pos + j
-                b.seq_id[j][0] = seq
-                b.n_seq_id[j] = 1
-                b.logits[j] = False
-            b.logits[len(chunk) - 1] = True
-            try:
-                llm._ctx.decode(llm._batch)
-            except RuntimeError:
-                self.decode_failures += 1
-                raise
-            if seq == ACTIVE:
-                llm.input_ids[pos : pos + len(chunk)] = chunk
-                llm.n_tokens = pos + len(chunk)
-            elif track is not None:
-                track.ids.extend(chunk)
-                track.n = pos + len(chunk)
-                track.tokens += len(chunk)
-            pos += len(chunk)
+
+        def tracked(chunk: list[int], at: int) -> None:
+            track.ids.extend(chunk)
+            track.n = at + len(chunk)
+            track.tokens += len(chunk)
+
+        try:
+            decode_tokens(llm, tokens, pos, seq, self.n_batch, tracked if seq != ACTIVE and track is not None else None)
+        except RuntimeError:
+            self.decode_failures += 1
+            raise
 
     def _tokens(self, text: str, special: bool = True) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=False, special=special)
@@ -749,6 +881,13 @@ class Engine:
         return text
 
 
+def _whole_tokens(clip: np.ndarray) -> np.ndarray:
+    """``clip`` cut to whole 40 ms audio tokens (640 samples), so a streamed turn and the whole clip hold the
+    same tokens (mtmd would round a shorter tail up to a token of its own); a clip under one token is kept."""
+    n = len(clip) // 640 * 640
+    return clip[:n] if n else clip
+
+
 def _plain_english_mask(llm) -> np.ndarray:
     """Tokens the embedded model may not sample, as a bool array over its vocabulary: any piece with a
     byte outside ASCII (other scripts, accents, partial UTF-8) or a square bracket (it would copy the
@@ -807,15 +946,36 @@ class EngineWorker:
         self.split = self.split or SentenceSplitter
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._cancelled: set[int] = set()
+        self._stream_pcm: Optional[np.ndarray] = None  # the newest audio handed to stream_audio
+        self._stream_queued = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
     def configure(self, *, context: Optional[Callable[[], str]] = None) -> None:
         """``context()``: the line that opens each user turn (the local date and time), read per turn."""
         self.context = context
+        self.call(self._prepare)
 
     def submit_turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
         self._q.put(("turn", reply_id, audio, transcript))
+
+    def stream_audio(self, pcm: np.ndarray) -> None:
+        """The user's utterance so far (float32 [n] mono 16 kHz, from its first sample), to pre-fill on the
+        engine's thread (:meth:`Engine.stream_audio`). Never blocks: calls that arrive while the engine is
+        busy are merged, and only the newest audio is fed."""
+        self._stream_pcm = pcm
+        if not self._stream_queued:
+            self._stream_queued = True
+            self._q.put(("stream", None, None, None))
+
+    def drop_audio(self) -> None:
+        """The utterance being pre-filled will not be a turn: roll it back (:meth:`Engine.drop_streamed_audio`)."""
+        self._q.put(("call", lambda: (self.engine.drop_streamed_audio(), self._prepare()), None, None))
+
+    def _prepare(self) -> None:
+        """Idle: have the next turn's opening ready in the cache (:meth:`Engine.prepare_turn`)."""
+        if self.engine.hears_audio and self.engine.stream_prefill and not self.engine.busy_rebuilding:
+            self.engine.prepare_turn(self.context() if self.context else "")
 
     def cancel(self, reply_id: int) -> None:
         self._cancelled.add(reply_id)
@@ -847,11 +1007,13 @@ class EngineWorker:
 
         while True:
             try:
-                # Idle with a rebuild pending: advance it, yielding as soon as a job arrives.
-                item = self._q.get(timeout=0.05) if self.engine.busy_rebuilding else self._q.get()
+                # Idle with a rebuild pending: advance it, yielding as soon as a job arrives. Idle otherwise:
+                # keep the next turn's opening ready (its date line changes once a minute).
+                item = self._q.get(timeout=0.05 if self.engine.busy_rebuilding else 5.0)
             except queue.Empty:
                 try:
-                    self.engine.background_step(lambda: not self._q.empty())
+                    if not self.engine.busy_rebuilding or self.engine.background_step(lambda: not self._q.empty()):
+                        self._prepare()
                 except Exception as exc:
                     log.exception("background cache rebuild failed")
                     self.post("engine_error", reason=f"rebuild: {exc.__class__.__name__}: {exc}")
@@ -862,8 +1024,15 @@ class EngineWorker:
                     return
                 if kind == "turn":
                     self._turn(a, b, c)
+                elif kind == "stream":
+                    self._stream_queued = False
+                    pcm, self._stream_pcm = self._stream_pcm, None
+                    if pcm is not None:
+                        self.engine.stream_audio(pcm, self.context() if self.context else "")
                 elif kind == "commit":
                     self.engine.commit_spoken(b, complete=c)
+                    if self._q.empty():
+                        self._prepare()
                 elif kind == "call":
                     a()
             except NothingToHear as exc:  # not a failure: speech with no words a text-only model can take
@@ -880,13 +1049,15 @@ class EngineWorker:
         splitter = self.split()
         first = True
         stream = self.engine.start_turn(audio, transcript, context=self.context() if self.context else "")
-        for piece in stream:
+        for n, piece in enumerate(stream, 1):
             if first:
                 self.post("llm_first_token", reply_id=reply_id, prefill_tokens=self.engine.last.prefill_tokens)
                 first = False
             if reply_id in self._cancelled:
                 self.engine.cancel()
             for clause in splitter.feed(piece):
+                if self.engine.last.first_piece_tokens is None:
+                    self.engine.last.first_piece_tokens = n
                 self.on_clause(reply_id, clause)
         if reply_id not in self._cancelled:
             for clause in splitter.flush():
@@ -894,4 +1065,5 @@ class EngineWorker:
         self.on_clause(reply_id, None)
         r = self.engine.last
         self.post("llm_done", reply_id=reply_id, text=r.text, prefill_tokens=r.prefill_tokens,
-                  generated_tokens=r.generated_tokens, cancelled=r.cancelled, input=r.input)
+                  generated_tokens=r.generated_tokens, cancelled=r.cancelled, input=r.input, streamed=r.streamed,
+                  audio_tokens_left=r.audio_tokens_left, first_piece_tokens=r.first_piece_tokens)

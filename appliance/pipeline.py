@@ -108,6 +108,9 @@ class Listener:
         self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
         self._muted = muted
         self._interjecting = interjecting
+        self.stream = None  # the streamed pre-fill's feed (``stream(utterance so far)``), see configure()
+        self.stream_step = 8000  # feed every this many new samples of confirmed speech, and at each pause
+        self._fed = 0
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._n = 0
         self._captured = self._done = 0
@@ -129,7 +132,8 @@ class Listener:
         e = self.echo
         self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None))
 
-    def configure(self, *, vad=None, interruption=None, end_of_turn=_KEEP, wake=_KEEP, echo=_KEEP) -> None:
+    def configure(self, *, vad=None, interruption=None, end_of_turn=_KEEP, wake=_KEEP, echo=_KEEP, stream=_KEEP,
+                  stream_step_ms: Optional[int] = None) -> None:
         """Hand the listener new settings, applied in its own thread before the next block (at once when it
         is not running).
 
@@ -140,6 +144,10 @@ class Listener:
             detections are posted as ``wake``), or None.
         :param echo: a new canceller, or None for none: a device reopened or a reload rebuilt it, so the echo
             path is new and the canceller starts cold; it is bound to the VAD's onset gate.
+        :param stream: the streamed pre-fill's feed, called on this thread with the confirmed utterance so far
+            (:meth:`VadSegmenter.utterance_audio`, float32 mono 16 kHz) every ``stream_step_ms`` of it and once
+            at each pause of 96 ms (so little is left when the turn ends), or None for none.
+        :param stream_step_ms: the feed's step, ms of confirmed speech.
         """
         def apply() -> None:
             if vad is not None:
@@ -153,6 +161,11 @@ class Listener:
             if echo is not _KEEP:
                 self.echo = echo
                 self._bind_gate()
+            if stream is not _KEEP:
+                self.stream = stream
+                self._fed = 0
+            if stream_step_ms is not None:
+                self.stream_step = int(stream_step_ms) * MODEL_RATE // 1000
 
         if self._thread is not None and self._thread.is_alive():
             self._q.put(apply)
@@ -217,6 +230,18 @@ class Listener:
                 self.post(Ev.VAD_SETTLED, audio_t=audio_t)
         if was_confirmed and self.segmenter.confirmed:
             self.post(Ev.VAD_PROGRESS, speech_ms=self.segmenter.speech_ms)
+        if self.stream is not None:
+            self._feed_stream()
+
+    def _feed_stream(self) -> None:
+        seg = self.segmenter
+        if not seg.confirmed:
+            self._fed = 0
+            return
+        n = seg.utterance_samples()
+        if n - self._fed >= self.stream_step or (n > self._fed and seg.silence_ms >= 96):
+            self._fed = n
+            self.stream(seg.utterance_audio())
 
 
 class TtsWorker:
@@ -355,7 +380,8 @@ class Parts:
                         max_reply_tokens=m.max_reply_tokens, temperature=m.temperature, top_p=m.top_p,
                         seed=m.seed, history_budget_tokens=m.history_budget_tokens,
                         examples=EMBEDDED_EXAMPLES if embedded else None, store=store,
-                        one_sentence=embedded)  # the embedded base model: one sentence, no stray tail
+                        one_sentence=embedded,  # the embedded base model: one sentence, no stray tail
+                        stream_prefill=m.stream_prefill, stream_left_context_s=m.stream_left_context_ms / 1000.0)
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
         return cls(engine, tts, SileroVad(), load_end_of_turn(cfg))
 

@@ -91,7 +91,7 @@ class Session:
                                  muted=lambda: conv.muted, interjecting=lambda: conv.interjecting)
         self.listener.configure(vad=cfg.vad, interruption=cfg.interruption, end_of_turn=self._end_of_turn(cfg),
                                 wake=detector_from_config(cfg),
-                                echo=echo if echo is not None else self.build_echo(cfg))
+                                echo=echo if echo is not None else self.build_echo(cfg), **self._stream(parts.engine, cfg.model))
         for observer in [*self.observers, port.observe]:  # the one place observers are wired
             conv.subscribe(observer)
 
@@ -104,6 +104,18 @@ class Session:
         from .audio.echo import from_config
 
         return from_config(cfg, record=self.record_echo)
+
+    def _stream(self, engine, model_section) -> dict:
+        """The listener's streamed pre-fill settings for ``engine``: a feed only for a model that hears and
+        has ``model.stream_prefill`` on."""
+        feed = self._stream_audio if engine.hears_audio and engine.stream_prefill else None
+        return {"stream": feed, "stream_step_ms": model_section.stream_step_ms}
+
+    def _stream_audio(self, pcm) -> None:
+        """The listener's feed (its thread): the utterance so far (float32 mono 16 kHz) to the engine, only
+        while listening (not over a reply; the conversation's state, read, not copied)."""
+        if self.conversation.state is State.LISTENING:
+            self.engine_worker.stream_audio(pcm)
 
     def _end_of_turn(self, cfg: Config):
         use = cfg.vad.end_of_turn == "smart_turn" and self.parts.eot is not None
@@ -279,6 +291,7 @@ class Session:
             worker.engine = engine
             self.parts.engine = engine
             self.cfg = self.cfg.model_copy(update={"model": model_section})
+            self.listener.configure(**self._stream(engine, model_section))  # the new model may not hear
             log.warning("model reloaded: %s", model_section.gguf)
 
         worker.call(swap)

@@ -245,6 +245,26 @@ class VadSegmenter:
         """Speech so far in the current candidate or utterance, ms."""
         return (self._last_voice - self._onset) * 1000.0 / MODEL_RATE if self._in_speech else 0.0
 
+    def _keep(self) -> int:
+        """Hops of the utterance so far up to where its speech ended, plus 64 ms (what an ``end`` holds)."""
+        hop_ms = self.hop * 1000.0 / MODEL_RATE
+        return max(1, len(self._utt) - int((self._n - self._last_voice) / self.hop) + int(64 / hop_ms))
+
+    @property
+    def silence_ms(self) -> float:
+        """Silence since the current utterance's last speech, ms (0 outside speech)."""
+        return (self._n - self._last_voice) * 1000.0 / MODEL_RATE if self._in_speech else 0.0
+
+    def utterance_samples(self) -> int:
+        """Length of :meth:`utterance_audio`, samples, without building it."""
+        return min(self._keep(), len(self._utt)) * self.hop if self._in_speech else 0
+
+    def utterance_audio(self) -> np.ndarray:
+        """The utterance so far as an ``end`` now would hold it: float32 [n] mono 16 kHz from its onset (and
+        lead-in) to 64 ms after its last speech. Each call's audio begins with the previous call's (the
+        streamed pre-fill relies on it); empty outside speech."""
+        return np.concatenate(self._utt[: self._keep()]) if self._in_speech and self._utt else np.zeros(0, np.float32)
+
     def push(self, block: np.ndarray) -> list[VadEvent]:
         """Feed float32 mono 16 kHz samples of any length; returns the events of completed windows."""
         self._buf = np.concatenate([self._buf, block.astype(np.float32, copy=False)])
@@ -308,8 +328,7 @@ class VadSegmenter:
             if eot_prob is not None and eot_prob > self.end_of_turn_threshold:
                 end_silence = silence_ms  # complete: end now
         if silence_ms >= end_silence or too_long:
-            keep = len(self._utt) - int((self._n - self._last_voice) / len(new)) + int(64 / hop_ms)
-            audio = np.concatenate(self._utt[: max(1, keep)])
+            audio = np.concatenate(self._utt[: self._keep()])
             kind = "end" if self._confirmed else "reject"
             events.append(VadEvent(kind, start, p, audio=audio, speech_ms=speech_ms, eot_prob=eot_prob,
                                    silence_ms=silence_ms))

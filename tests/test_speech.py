@@ -20,20 +20,29 @@ def split_all(pieces, **kw):
 
 def test_splits_sentences_as_tokens_arrive():
     s = SentenceSplitter()
-    assert s.feed("A rainbow is light") == []
-    assert s.feed(" bent by rain.") == []  # needs the next character to know the sentence ended
-    assert s.feed(" It") == ["A rainbow is light bent by rain."]
+    assert s.feed("Yes. A rainbow is light") == ["Yes."]  # the first piece: its first clause
+    assert s.feed(" bent by rain,") == []  # later pieces are sentences: a comma does not cut them
+    assert s.feed(" mostly.") == []  # needs the next character to know the sentence ended
+    assert s.feed(" It") == ["A rainbow is light bent by rain, mostly."]
     assert s.flush() == ["It"]
 
 
+def test_the_first_piece_ends_after_a_few_words_or_at_its_first_clause_boundary():
+    text = "When sunlight passes through raindrops the light bends. It splits into colours, all of them."
+    words = [("" if i == 0 else " ") + w for i, w in enumerate(text.split(" "))]  # as tokens arrive
+    assert split_all(words) == ["When sunlight passes through", "raindrops the light bends.",
+                                           "It splits into colours, all of them."]
+    assert split_all(["Well, yes, it does. "]) == ["Well,", "yes, it does."]
+    s = SentenceSplitter()
+    assert s.feed("Paris is") == [] and s.feed(" the capital") == []  # "capital" may go on ("capitals")
+    assert s.feed(" of") == ["Paris is the capital"]
+    # Switched off (a whole sentence first), the first audio waits for the sentence's end.
+    assert split_all(words, first_words=99)[0] == "When sunlight passes through raindrops the light bends."
+
+
 def test_keeps_decimals_and_abbreviations_whole():
-    assert split_all(["It costs 3.5 dollars, Dr. Smith said. Yes."]) == ["It costs 3.5 dollars, Dr. Smith said.", "Yes."]
-
-
-def test_long_clause_cuts_at_comma_short_does_not():
-    assert split_all(["Well, yes. "]) == ["Well, yes."]
-    long = "When sunlight passes through raindrops, the light bends and splits into colours"
-    assert split_all([long]) == ["When sunlight passes through raindrops,", "the light bends and splits into colours"]
+    assert split_all(["It costs 3.5 dollars, Dr. Smith said. Yes."]) == ["It costs 3.5 dollars,", "Dr. Smith said.", "Yes."]
+    assert split_all(["Dr. Smith said so. Yes."]) == ["Dr. Smith said so.", "Yes."]
 
 
 def test_markdown_and_emoji_are_not_spoken():
@@ -100,8 +109,10 @@ def test_an_unpunctuated_reply_is_cut_at_word_boundaries_within_the_cap():
     clauses += sp.flush()
     assert len(clauses) >= 3 and all(len(c) <= MAX_CLAUSE_CHARS for c in clauses), [len(c) for c in clauses]
     assert " ".join(clauses).split() == text.split()  # every word, in order, none cut in two
-    # The cut prefers a point where a speaker breathes: before a conjunction, not mid-phrase.
-    assert all(c.split()[0] in {"and", "so", "because", "that", "while"} for c in clauses[1:]), clauses
+    # The first piece is a few words (the first audio comes early); after it, the cut prefers a point where a
+    # speaker breathes: before a conjunction, not mid-phrase.
+    assert clauses[0] == "the river ran past"
+    assert all(c.split()[0] in {"and", "so", "because", "that", "while"} for c in clauses[2:]), clauses
     assert cap_clauses("Short enough.") == ["Short enough."]
 
 

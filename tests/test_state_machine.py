@@ -53,7 +53,7 @@ class FakePlayback:
 
 
 class FakeEngine:
-    """``EngineControl``: remembers turns, cancels, commits and forgets."""
+    """``EngineControl``: remembers turns, cancels, commits, forgets and drops streamed audio."""
 
     def __init__(self):
         self.calls: list = []
@@ -69,6 +69,9 @@ class FakeEngine:
 
     def forget(self):
         self.calls.append("forget")
+
+    def drop_audio(self):
+        self.calls.append("drop_audio")
 
 
 class HeardClassifier:
@@ -302,6 +305,7 @@ def test_wake_word_mode():
     conv, pb, eng, _ = make(listen_mode="wake_word", follow_up_s=60.0, min_silence_ms=500)
     run_test(conv, [("ready", {})], ["state:listening", "listen_window"])
     run_test(conv, [QUESTION], ["vad_end", "ignored"])  # no wake word
+    assert eng.calls == ["drop_audio"]  # no turn: the engine rolls back the audio streamed in of it
     records = run_test(conv, [("wake", {"audio_t": 1.0, "word": "okay_nabu"}), ("vad_onset", {}),
                               ("vad_end", {"speech_ms": 900.0, "audio_t": 3.0, "transcript": "What is it?"})],
                        ["wake", "listen_window", "vad_onset", "vad_end", "state:thinking"])
