@@ -20,7 +20,6 @@ colon slash slash W W W …").
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
@@ -252,38 +251,3 @@ class EarFilter:
             return ""
         cells = [c.strip() for c in line.strip().strip("|").split("|") if c.strip()]
         return (", ".join(cells) + ".\n") if cells else ""
-
-
-class SpokenReply:
-    """The whole stage on a token stream: :class:`EarFilter`, then the sentence splitter, whose clauses
-    go through :func:`for_the_ear` (``speech.speakable``). Same interface as the splitter, so it is the
-    engine worker's ``split`` factory."""
-
-    def __init__(self, splitter=None):
-        from .speech import SentenceSplitter
-
-        self.ear = EarFilter()
-        self.splitter = splitter or SentenceSplitter()
-
-    def feed(self, piece: str) -> list[str]:
-        text = self.ear.feed(piece)
-        return self.splitter.feed(text) if text else []
-
-    def flush(self) -> list[str]:
-        text = self.ear.flush()
-        clauses = self.splitter.feed(text) if text else []
-        return clauses + self.splitter.flush()
-
-
-def spoken(text: str, pieces: Optional[int] = None) -> str:
-    """A whole reply through the stage, its clauses joined by spaces (what the voice will say).
-
-    :param pieces: feed the text in pieces of this many characters (as tokens arrive); None = one piece.
-    """
-    stage = SpokenReply()
-    step = pieces or max(1, len(text))
-    clauses: list[str] = []
-    for i in range(0, len(text), step):
-        clauses += stage.feed(text[i:i + step])
-    clauses += stage.flush()
-    return " ".join(clauses)

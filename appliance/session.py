@@ -65,7 +65,7 @@ class Session:
                  transcript_at: Optional[Callable[[int], Optional[str]]] = None, echo=None,
                  record_echo: bool = False):
         from .assistant import turn_context_source
-        from .ear import SpokenReply
+        from .speech import SpokenReply
         from .engine import EngineWorker
         from .turns import turn_taker_from_config
         from .wake import detector_from_config

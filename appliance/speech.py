@@ -1,4 +1,5 @@
-"""Sentence splitting of the LLM's token stream, and Piper synthesis one clause at a time."""
+"""Sentence splitting of the LLM's token stream (with the clean-up for the ear, :class:`SpokenReply`), and Piper
+synthesis one clause at a time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from .ear import EarFilter, for_the_ear
 from .errors import UserError
 
 # Piper normalises each sentence to full scale; resampling to the output rate then overshoots and clips.
@@ -28,8 +30,6 @@ def speakable(text: str) -> str:
     """What a speaker can say of ``text``: control characters removed (a model may generate NUL), then
     :func:`appliance.ear.for_the_ear` (markdown, links, URLs, emoji, units, currency, symbols as words;
     white space collapsed)."""
-    from .ear import for_the_ear
-
     return for_the_ear(_CONTROL.sub(" ", text))
 
 
@@ -140,6 +140,39 @@ class SentenceSplitter:
                 if ch in ",;:" or words >= self.first_words:
                     return i + 1
         return None
+
+
+class SpokenReply:
+    """The whole stage on a token stream: :class:`~appliance.ear.EarFilter`, then the sentence splitter,
+    whose clauses go through :func:`~appliance.ear.for_the_ear` (:func:`speakable`). Same interface as the splitter, so it is the
+    engine worker's ``split`` factory."""
+
+    def __init__(self, splitter=None):
+        self.ear = EarFilter()
+        self.splitter = splitter or SentenceSplitter()
+
+    def feed(self, piece: str) -> list[str]:
+        text = self.ear.feed(piece)
+        return self.splitter.feed(text) if text else []
+
+    def flush(self) -> list[str]:
+        text = self.ear.flush()
+        clauses = self.splitter.feed(text) if text else []
+        return clauses + self.splitter.flush()
+
+
+def spoken(text: str, pieces: Optional[int] = None) -> str:
+    """A whole reply through the stage, its clauses joined by spaces (what the voice will say).
+
+    :param pieces: feed the text in pieces of this many characters (as tokens arrive); None = one piece.
+    """
+    stage = SpokenReply()
+    step = pieces or max(1, len(text))
+    clauses: list[str] = []
+    for i in range(0, len(text), step):
+        clauses += stage.feed(text[i:i + step])
+    clauses += stage.flush()
+    return " ".join(clauses)
 
 
 def bundled_voice_path() -> Path:

@@ -4,7 +4,8 @@ voice) already reads well."""
 
 import pytest
 
-from appliance.ear import EarFilter, for_the_ear, spoken
+from appliance.ear import EarFilter, for_the_ear
+from appliance.speech import spoken
 from appliance.speech import Tts
 
 # (what an LLM wrote, what the voice should be given)
