@@ -166,3 +166,20 @@ def test_a_reloaded_fade_reaches_the_sound_device(service, user):
     fade = end - int(loud[loud < end][-1])
     print(f"measured here: fade {fade / MODEL_RATE * 1000:.0f} ms at the ear")
     assert fade >= 0.035 * MODEL_RATE  # at least 35 ms of the 50 (the old 8 ms fade: under 10)
+
+
+@needs_jack
+def test_a_reloaded_audio_section_reopens_the_sound_device(service):
+    """``audio.output_block_ms`` 10 → 20 and ``retry_max_s`` 1 → 2: the session hands the section to the port
+    (``configure(audio=...)``), which reopens its worker with 20 ms blocks and backs off up to 2 s; the
+    reopened device's ``open`` gives the listener a new, cold canceller and the conversation ``recovered``."""
+    svc, records, write = service
+    port = svc.session.port
+    assert port.opened == 1 and port.info.out_block == port.info.out_rate * 10 // 1000
+    echo = svc.session.listener.echo
+    assert write(audio={"output_block_ms": 20, "retry_max_s": 2.0}) == ["audio"]
+    assert jd.wait_for(lambda: port.opened == 2 and port.state == "open", 20), (port.state, port.last_error)
+    assert port.info.out_block == port.info.out_rate * 20 // 1000 and port.backoff[1] == 2.0
+    _in_the_live_path(svc.session.listener, previous=echo)
+    assert jd.wait_for(lambda: any(r["event"] == "recovered" for r in records), 10)
+    assert svc.session.conversation.state.value == "listening"
