@@ -46,7 +46,8 @@ class Playback:
         fade has reached zero). It must not block (e.g. ``queue.SimpleQueue.put``).
     :param port: the audio port that plays this buffer; default a :class:`~appliance.audio.port.NullPort`
         at ``sample_rate`` and ``fade_ms``, started here, whose speaker is :meth:`read`. Another port is
-        started by its owner with ``start(playback.take, capture, playback.port_silent)``; see :meth:`attach`.
+        started by its owner (:meth:`appliance.session.Session.start`) with ``start(playback.take, capture,
+        playback.port_silent)``.
     """
 
     def __init__(self, sample_rate: int, fade_ms: float = 8.0, on_event: Optional[Callable[..., None]] = None,
@@ -65,10 +66,6 @@ class Playback:
             port = NullPort(sample_rate, fade_ms)
             port.start(self.take, lambda mic, far: None, self.port_silent)
         self.port: AudioPort = port
-
-    def attach(self, port: AudioPort) -> None:
-        """Play through ``port`` from now on (its owner starts it with :meth:`take` and :meth:`port_silent`)."""
-        self.port = port
 
     # --- producer side (TTS thread, state machine) ---
     def begin_reply(self, reply_id: int) -> None:

@@ -63,9 +63,8 @@ def test_a_pull_port_flush_fades_what_the_buffer_had_and_configure_changes_the_f
 
 
 def test_room_port_plays_the_room_through_the_fader():
-    pb = Playback(16000)
     port = RoomPort(Scenario([], RoomSpec(echo_gain_db=-6.0, echo_delay_ms=0.0)), lambda r: None, paced=False)
-    pb.attach(port)
+    pb = Playback(16000, port=port)
     mics = []
     port.start(pb.take, lambda mic, far: mics.append((mic, far)), pb.port_silent)
     pb.begin_reply(1)
