@@ -5,6 +5,10 @@ and is what the image installs at ``/etc/appliance/config.yaml``.
 
 Validation reports every problem at once, each with the line number, the key path, what was expected and
 what was found; unknown keys get a "did you mean" suggestion. The schema library is pydantic v2.
+
+Why one module over 500 lines: the schema is the one place every default and every cross-field rule
+lives (the guide's "one place"); splitting it by section would put the cross-section checks (context
+sizing, model vs projector) away from the fields they check.
 """
 
 from __future__ import annotations

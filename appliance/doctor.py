@@ -37,6 +37,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load
+from .audio.files import MODEL_RATE
 from .errors import UserError
 from .gguf import KV_KEYS as _KV_KEYS
 from .gguf import GgufInfo, kv_cache_bytes, read_gguf
@@ -355,7 +356,7 @@ class Doctor:
         except UserError as exc:
             problem, fix = _split_fix(str(exc))
             return Check("end of turn", FAIL, problem, fix)
-        speech = (np.random.default_rng(0).standard_normal(3 * 16000) * 0.01).astype(np.float32)
+        speech = (np.random.default_rng(0).standard_normal(3 * MODEL_RATE) * 0.01).astype(np.float32)
         model.probability(speech)  # the first run allocates
         model.probability(speech)
         ms = model.infer_ms[-1]

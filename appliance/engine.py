@@ -10,6 +10,12 @@ A full rebuild (re-prefill of the kept history) happens only when the history pa
 The context uses ``swa_full=True``: Gemma 3/4 use a sliding-window cache (window 512) that otherwise
 discards positions a rollback would need (llama-cpp-python PR #2180, llama.rn #396: "failed to find a
 memory slot").
+
+Why one module of about a thousand lines: every method here reads or moves ``n_past`` and the two KV
+sequences of one llama.cpp context (a turn, a streamed audio window, a rollback, the background rebuild,
+the pruning), and their invariant (the cache holds exactly the kept history, and nothing asks llama.cpp
+for a cell that is not free) is checked in one place. The pieces without that state live elsewhere:
+``audio_prefill.py`` (streamed encoding), ``mtmd_audio.py`` (the mtmd bindings), ``history.py``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ the streams is left to the canceller (Speex models ``tail_ms`` of echo path; AEC
 
 Measured here (x86_64, 2 cores, linear echo path, Piper speech as far end): see ``appliance bench
 interruption`` (``erle_db``) and ``tests/test_echo.py``.
+
+Why one module over 500 lines: the onset gate, the cold-start bookkeeping and the stand-in all read the
+per-frame energies (broadband, per band, far end) that :meth:`EchoCanceller.process` computes once per
+10 ms frame; split apart, each would recompute them or reach into another's fields.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ..errors import UserError
+from .files import MODEL_RATE
 
-RATE = 16000
 FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
 FAR_ACTIVE = 10 ** (-50 / 10)  # mean far-end power above which a frame counts as "far end active" (−50 dBFS)
 LT_FRAMES = 200  # the echo floor's memory: 2 s of far-active frames
@@ -72,7 +76,7 @@ HB_MARGIN_DB = 22.0  # ... and at least this far above the high band's own echo 
 HB_MAX_DB = -6.0  # a threshold above this (a floor above -28 dB: the canceller leaves much of the high band) turns it off
 HB_MIN_POWER = 10 ** (-80 / 10)  # ... over a high band with at least this mean power per sample (−80 dBFS)
 HB_MIN_REL_DB = -10.0  # ... and at most this far below the microphone's usual high band while the far end plays
-BAND_EDGES_HZ = (0.0, 500.0, 1000.0, HB_HZ, RATE / 2 + 1)  # the bands whose convergence is measured one by one
+BAND_EDGES_HZ = (0.0, 500.0, 1000.0, HB_HZ, MODEL_RATE / 2 + 1)  # the bands whose convergence is measured one by one
 FAR_BAND_ACTIVE = 10 ** (-65 / 10)  # mean far-end power per sample in a band above which the band counts as played
 COLD_DB = GATE_MAX_DB - GATE_MARGIN_DB  # a window whose expected residual echo is above this is "cold" (-18 dB):
 #   the broadband threshold (floor + margin) would exceed its cap, so the ratio cannot tell the user from the echo
@@ -80,7 +84,7 @@ NO_ECHO_DB = -40.0  # a band whose microphone energy stays this far under the fa
 #   (headphones, a speaker in another room): echo there would sit 60 dB under a -20 dBFS reply, under Silero's notice
 WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in
 _HANN = np.hanning(FRAME).astype(np.float32)
-_FREQS = np.fft.rfftfreq(FRAME, 1.0 / RATE)
+_FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 _BAND_OF_BIN = np.digitize(_FREQS, BAND_EDGES_HZ[1:-1])  # bin -> band index 0..3
 N_BANDS = len(BAND_EDGES_HZ) - 1
 BACKENDS = ("webrtc", "speex")
@@ -108,9 +112,9 @@ class _WebRtcAec3:
 
     def frame(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
         rtc = self._rtc
-        far_f = rtc.AudioFrame(_to_i16(far).tobytes(), RATE, 1, FRAME)
+        far_f = rtc.AudioFrame(_to_i16(far).tobytes(), MODEL_RATE, 1, FRAME)
         self._apm.process_reverse_stream(far_f)
-        near_f = rtc.AudioFrame(_to_i16(near).tobytes(), RATE, 1, FRAME)
+        near_f = rtc.AudioFrame(_to_i16(near).tobytes(), MODEL_RATE, 1, FRAME)
         self._apm.process_stream(near_f)
         return np.frombuffer(bytes(near_f.data), dtype=np.int16).astype(np.float32) / 32767.0
 
@@ -127,7 +131,7 @@ class _SpeexMdf:
         except ImportError:
             raise UserError("echo.backend is speex but the `pyaec` package is not installed; "
                             "run `pip install pyaec`, or set echo.backend: webrtc") from None
-        self._aec = Aec(FRAME, int(tail_ms * RATE / 1000), RATE, preprocess)
+        self._aec = Aec(FRAME, int(tail_ms * MODEL_RATE / 1000), MODEL_RATE, preprocess)
 
     def set_delay_ms(self, ms: int) -> None:
         pass  # the MDF filter covers the delay within its tail
@@ -178,7 +182,7 @@ class EchoCanceller:
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
         # tail it models; 200 ms for WebRTC, whose AEC3 does not say.
-        self._tail = int((tail_ms if backend == "speex" else 200.0) * RATE / 1000)
+        self._tail = int((tail_ms if backend == "speex" else 200.0) * MODEL_RATE / 1000)
         self._near = np.zeros(0, dtype=np.float32)
         self._far = np.zeros(0, dtype=np.float32)
         self.frames = 0
@@ -291,7 +295,7 @@ class EchoCanceller:
         self.frames += n
         self._near = self._near[need:]
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
-        self._far = self._far[need:][-int(0.2 * RATE):]
+        self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
 
     # --- convergence, band by band, and the cold-start stand-in ---
@@ -381,7 +385,7 @@ class EchoCanceller:
     def _stand_in_fed(self) -> bool:
         """Whether the stand-in processes the frames now: while it is active and the far end played within
         the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
-        return self.stand_in_active and self._far_energy_recent(RATE) >= 1e-9
+        return self.stand_in_active and self._far_energy_recent(MODEL_RATE) >= 1e-9
 
     def near_end_ratio_db(self, n: int = 512) -> Optional[float]:
         """Output-to-input energy ratio over the last ``n`` processed samples, dB: about −ERLE while only

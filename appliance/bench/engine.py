@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from ..audio.files import MODEL_RATE
 from ..engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def bench_model(path: Path, mmproj: Optional[Path], audio: bool, n_turns: int = 
         t = time.perf_counter()
         clip = np.tile(speech, 4)[: 4 * 16000]
         engine.audio.eval_prompt(engine.fmt.closed("user", "<__media__>"), clip, engine.n_past, seq_id=0, add_special=False)
-        result["audio_encoder_ms_per_s"] = round((time.perf_counter() - t) * 1000.0 / (len(clip) / 16000), 2)
+        result["audio_encoder_ms_per_s"] = round((time.perf_counter() - t) * 1000.0 / (len(clip) / MODEL_RATE), 2)
     del engine
     progress(f"{path.name}: KV bytes per token, f16 vs q4_0")
     result["kv_bytes_per_token"] = _kv_bytes(path, mmproj, make_input, n_ctx=2048, n_threads=n_threads)
