@@ -92,7 +92,7 @@ class SentenceSplitter:
 
     _ABBREV = {"mr.", "mrs.", "ms.", "dr.", "st.", "e.g.", "i.e.", "etc.", "vs.", "no."}
 
-    def __init__(self, first_words: int = 4, max_clause_chars: int = MAX_CLAUSE_CHARS):
+    def __init__(self, first_words: int = 3, max_clause_chars: int = MAX_CLAUSE_CHARS):
         self.first_words = first_words
         self.max_clause_chars = max_clause_chars
         self._buf = ""
