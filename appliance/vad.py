@@ -190,6 +190,10 @@ class VadSegmenter:
     end_of_turn_threshold: float = 0.5
     max_silence_ms: int = 1000
     end_of_turn_confirm_ms: int = 300
+    # What the end-of-turn model hears: "pause", the utterance with the pause so far (as Pipecat hands Smart
+    # Turn the audio up to its VAD's stop, 200 ms of silence with its recommended settings); "speech", the
+    # utterance cut 64 ms after Silero's end of speech (the same audio at every call of a pause).
+    end_of_turn_input: str = "pause"
     eot_calls: list = field(default_factory=list)  # (silence ms at the call, probability) of each call
 
     def __post_init__(self) -> None:
@@ -371,7 +375,8 @@ class VadSegmenter:
                 return asked[1]
             if silence_ms < self.end_of_turn_confirm_ms:
                 return self.end_of_turn_threshold  # complete once: waiting for the confirming call
-        prob = float(self.end_of_turn(np.concatenate(self._utt)))
+        heard = self._utt if self.end_of_turn_input == "pause" else self._utt[: self._keep()]
+        prob = float(self.end_of_turn(np.concatenate(heard)))
         self.eot_calls.append((round(silence_ms, 1), round(prob, 3)))
         del self.eot_calls[:-256]
         if asked is not None:  # the confirming call: both must say complete

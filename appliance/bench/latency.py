@@ -495,6 +495,11 @@ OFFLINE_LEVERS: list[tuple[str, dict]] = [
     ("200 ms, confirmed at 400 ms", {"end_of_turn_confirm_ms": 400}),
     ("150 ms, confirmed at 300 ms", {"short_stop_ms": 150, "end_of_turn_confirm_ms": 300}),
     ("200 ms, confirmed at 300 ms, max silence 1500 ms", {"max_silence_ms": 1500}),
+    ("speech only heard, one call at 200 ms", {"end_of_turn_input": "speech", "end_of_turn_confirm_ms": 0}),
+    ("speech only heard, one call at 100 ms", {"end_of_turn_input": "speech", "short_stop_ms": 100,
+                                               "end_of_turn_confirm_ms": 0}),
+    ("speech only heard, one call at 300 ms", {"end_of_turn_input": "speech", "short_stop_ms": 300,
+                                               "end_of_turn_confirm_ms": 0}),
     ("silence rule 500 ms (no model)", {"_silence": True, "min_silence_ms": 500}),
     ("silence rule 800 ms (no model)", {"_silence": True, "min_silence_ms": 800}),
 ]
