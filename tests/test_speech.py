@@ -36,6 +36,8 @@ def test_the_first_piece_ends_after_a_few_words_or_at_its_first_clause_boundary(
     s = SentenceSplitter()
     assert s.feed("Paris") == [] and s.feed(" is the") == []  # "the" may go on ("there")
     assert s.feed(" capital") == ["Paris is the"]
+    # A number keeps its unit: the ear reads "5 °C" as "5 degrees Celsius" only within one piece.
+    assert split_all(["It is 5 °C in Oslo today."])[0] == "It is 5 degrees Celsius"
     # Switched off (a whole sentence first), the first audio waits for the sentence's end.
     assert split_all(words, first_words=99)[0] == "When sunlight passes through raindrops the light bends."
 
