@@ -67,7 +67,7 @@ class ModelConfig(_Section):
     # Pre-fill the user's audio while they speak (a model that hears); false: encode each turn whole after it.
     stream_prefill: bool = True
     stream_step_ms: int = Field(500, ge=100, le=5000)  # new speech per streamed window (and one at each pause)
-    stream_left_context_ms: int = Field(960, ge=0, le=30000)  # audio re-encoded before each window's new tokens
+    stream_left_context_ms: int = Field(480, ge=0, le=30000)  # audio re-encoded before each window's new tokens
     # Kept for existing configs: when set, it replaces assistant.system_prompt.
     system_prompt: Optional[str] = None
 
@@ -90,7 +90,7 @@ class VadConfig(_Section):
     end_of_turn: Literal["smart_turn", "silence"] = "smart_turn"  # who decides that the user has finished
     short_stop_ms: int = Field(200, ge=32, le=2000)  # smart_turn: a pause this long asks Smart Turn
     end_of_turn_threshold: float = Field(0.5, gt=0.0, lt=1.0)  # smart_turn: its probability above this = done
-    max_silence_ms: int = Field(1500, ge=100, le=10000)  # smart_turn: this much silence ends the turn anyway
+    max_silence_ms: int = Field(1000, ge=100, le=10000)  # smart_turn: this much silence ends the turn anyway
 
 
 class AudioConfig(_Section):

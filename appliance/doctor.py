@@ -360,7 +360,7 @@ class Doctor:
         model.probability(speech)  # the first run allocates
         model.probability(speech)
         ms = model.infer_ms[-1]
-        detail = f"Smart Turn v3.2: {ms:.0f} ms per call (once per pause)"
+        detail = f"Smart Turn v3.2: {ms:.0f} ms per call (at most two per pause)"
         if ms >= 200:
             return Check("end of turn", WARN, detail + " (slow: each answer waits for it)",
                          "lower model.n_threads to leave it a core, or set vad.end_of_turn: silence")

@@ -81,7 +81,8 @@ class SentenceSplitter:
     """Cut a stream of text pieces into pieces ready for TTS.
 
     The first piece of a reply ends at its first clause boundary (``,``/``;``/``:``/``.``/``!``/``?``
-    followed by white space, or a newline) or after ``first_words`` words, whichever comes first: on a Pi 5,
+    followed by white space, or a newline) or after ``first_words`` words (not right after a number, whose
+    unit may follow), whichever comes first: on a Pi 5,
     Gemma 4 E2B makes about 6.4 tokens/s, so each word the first piece waits for delays the first audio by
     about 0.2 s. Later pieces are sentences (``.``, ``!``, ``?``, a newline), for Piper's prosody; a
     sentence longer than ``max_clause_chars`` is cut at a word boundary (:func:`cap_clauses`). Decimal
@@ -90,7 +91,7 @@ class SentenceSplitter:
 
     _ABBREV = {"mr.", "mrs.", "ms.", "dr.", "st.", "e.g.", "i.e.", "etc.", "vs.", "no."}
 
-    def __init__(self, first_words: int = 4, max_clause_chars: int = MAX_CLAUSE_CHARS):
+    def __init__(self, first_words: int = 3, max_clause_chars: int = MAX_CLAUSE_CHARS):
         self.first_words = first_words
         self.max_clause_chars = max_clause_chars
         self._buf = ""
@@ -137,7 +138,9 @@ class SentenceSplitter:
                 return i + 1
             if self._first and not ch.isspace() and nxt.isspace():  # the end of a word of the first piece
                 words += 1
-                if ch in ",;:" or words >= self.first_words:
+                # Not right after a number: its unit or symbol may follow ("5 °C", "3 %"), and the ear's
+                # clean-up reads them together, within one piece.
+                if ch in ",;:" or (words >= self.first_words and not ch.isdigit()):
                     return i + 1
         return None
 

@@ -178,12 +178,21 @@ class VadSegmenter:
     early_onsets: int = 0  # candidates started by onset_evidence below threshold
     hop: int = HOP
     # Optional end-of-turn model (appliance.eot): ``end_of_turn(utterance) -> probability`` that the user has
-    # finished. With it, a confirmed utterance (not an interjection) ends at a pause of ``short_stop_ms`` when
-    # the model, asked once per pause, says complete; else after ``max_silence_ms`` of silence.
+    # finished. With it, a confirmed utterance (not an interjection) ends when the model, asked at a pause of
+    # ``short_stop_ms`` and again at ``end_of_turn_confirm_ms`` of the same pause, says complete both times
+    # (``end_of_turn_confirm_ms`` 0: the first answer decides); else after ``max_silence_ms`` of silence.
+    # Why two calls: measured offline over the latency bench's 52 questions (``python -m
+    # appliance.bench.latency --offline``, docs/latency.md), one call at 200 ms ended 14 turns inside a
+    # mid-utterance pause (eot_detect p50 310 ms); with a second "complete" required at 300 ms, 6 (p50 420).
     end_of_turn: Optional[Callable[[np.ndarray], float]] = None
     short_stop_ms: int = 200
     end_of_turn_threshold: float = 0.5
-    max_silence_ms: int = 1500
+    max_silence_ms: int = 1000
+    end_of_turn_confirm_ms: int = 300
+    # What the end-of-turn model hears: "pause", the utterance with the pause so far (as Pipecat hands Smart
+    # Turn the audio up to its VAD's stop, 200 ms of silence with its recommended settings); "speech", the
+    # utterance cut 64 ms after Silero's end of speech (the same audio at every call of a pause).
+    end_of_turn_input: str = "pause"
     eot_calls: list = field(default_factory=list)  # (silence ms at the call, probability) of each call
 
     def __post_init__(self) -> None:
@@ -202,11 +211,11 @@ class VadSegmenter:
         self._utt: list[np.ndarray] = []
         self._history: list[np.ndarray] = []  # recent windows for lead-in
         self._settle_from: Optional[int] = None  # end of the last speech after an interjection, samples
-        self._eot_asked: Optional[tuple[int, float]] = None  # (_last_voice, probability) of this pause's EOT call
+        self._eot_asked: Optional[tuple] = None  # (_last_voice, probability, final?) of this pause's EOT call(s)
 
     def configure(self, threshold: float, min_speech_ms: int, min_silence_ms: int, max_utterance_s: float,
                   interjection_silence_ms: int, short_stop_ms: int = 200, end_of_turn_threshold: float = 0.5,
-                  max_silence_ms: int = 1500) -> None:
+                  max_silence_ms: int = 1000) -> None:
         """Take new hysteresis settings (``vad.*`` and ``interruption.interjection_silence_ms``, units in the
         names) from the next window on. Call from the thread that pushes audio, or between pushes."""
         self.threshold, self.min_speech_ms, self.min_silence_ms = threshold, min_speech_ms, min_silence_ms
@@ -345,19 +354,36 @@ class VadSegmenter:
         return events
 
     def _ask_end_of_turn(self, silence_ms: float) -> Optional[float]:
-        """The end-of-turn model's probability for the utterance so far (its last ``silence_ms`` the pause),
-        once per pause, when the pause reaches ``short_stop_ms``; the same answer for the rest of the pause,
-        None before. (Asked again as the pause grows, Smart Turn tends towards "complete" on silence
-        alone: on Piper's and espeak-ng's voices cut at a comma, the same phrase scored 0.1-0.3 at 200 ms of
-        pause and up to 0.9 at 400-600 ms, measured here.)"""
+        """The end-of-turn model's verdict on the pause so far: None before ``short_stop_ms`` of silence;
+        else the probability that the user has finished, from the call at ``short_stop_ms`` (the utterance
+        so far, its end the pause) and, once the pause reaches ``end_of_turn_confirm_ms`` (if not 0), the
+        smaller of that and a second call's: both must say complete. Until the second call, a first
+        "complete" is reported as the threshold itself (not above it: the turn goes on). At most two calls
+        per pause; the last answer stands for the rest of the pause.
+
+        Why a second call rather than one later call: Smart Turn's answer to one phrase moves with the
+        pause (on Piper's and espeak-ng's voices cut at a comma, 0.1-0.3 at 200 ms and up to 0.9 at
+        400-600 ms, measured here), and a question that already sounds complete ("What should I cook
+        tonight … if I only have rice?") scores complete at any pause: requiring two answers 100 ms apart
+        waits out pauses shorter than the second call and needs the model to agree with itself."""
         if silence_ms < self.short_stop_ms:
             return None
-        if self._eot_asked is not None and self._eot_asked[0] == self._last_voice:
-            return self._eot_asked[1]
-        prob = float(self.end_of_turn(np.concatenate(self._utt)))
-        self._eot_asked = (self._last_voice, prob)
+        asked = self._eot_asked if self._eot_asked is not None and self._eot_asked[0] == self._last_voice else None
+        if asked is not None:
+            if asked[2]:
+                return asked[1]
+            if silence_ms < self.end_of_turn_confirm_ms:
+                return self.end_of_turn_threshold  # complete once: waiting for the confirming call
+        heard = self._utt if self.end_of_turn_input == "pause" else self._utt[: self._keep()]
+        prob = float(self.end_of_turn(np.concatenate(heard)))
         self.eot_calls.append((round(silence_ms, 1), round(prob, 3)))
         del self.eot_calls[:-256]
+        if asked is not None:  # the confirming call: both must say complete
+            prob = min(prob, asked[1])
+        elif prob > self.end_of_turn_threshold and silence_ms < self.end_of_turn_confirm_ms:
+            self._eot_asked = (self._last_voice, prob, False)
+            return self.end_of_turn_threshold
+        self._eot_asked = (self._last_voice, prob, True)
         return prob
 
     def _after_speech(self) -> None:

@@ -441,3 +441,148 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
     if json_path:
         Path(json_path).write_text(text + "\n", encoding="utf-8")
     return summary
+
+
+def offline_eot(cases: list[Case], vad, end_of_turn: Optional[Callable[[np.ndarray], float]], settings: dict,
+                noise: Optional[np.ndarray] = None, call_ms: float = 0.0, step_ms: int = 500,
+                left_context_s: float = 0.48, first_piece_tokens: int = 5, pi: Optional[dict] = None) -> dict:
+    """End of turn, OFFLINE (not real time): each case's microphone signal (0.3 s of quiet, the question,
+    2 s of quiet; the fan under it for ``+fan`` cases, as in the room) through a :class:`VadSegmenter` with
+    the real Silero VAD and ``end_of_turn`` (Smart Turn's ``probability``, or None for the silence rule),
+    the segmenter's own decision logic, with ``settings`` (its fields: ``short_stop_ms``,
+    ``end_of_turn_threshold``, ``end_of_turn_confirm_ms``, ``max_silence_ms``, ...). The room's echo path
+    is silent during a question and the echo canceller passes the near end through, so it is left out.
+
+    The decision time is the end of the window that decided, plus ``call_ms`` per Smart Turn call that the
+    decision waited for (the last one; 0: the model's time left out). Returns ``premature_eot``
+    ({count, n}), ``eot_detect_ms`` ({p50, p95, n}, from the true end of speech, its last sample above
+    −40 dBFS), ``premature`` (the labels), ``calls`` (Smart Turn calls in all) and
+    ``pi5_projected_ttfa_ms`` ({p50, p95, n, p50_2_4s}, *projected* with :func:`project_pi5`, over the
+    cases not ended early): the feeds are made by the listener's rule (``pipeline.Listener._feed_stream``:
+    every ``step_ms`` of new confirmed speech and at each pause of 96 ms, with the decision's clock), the
+    turn opening was prepared while idle, no audio token is left at the end of the turn beyond what the
+    last feed left (as measured in real time: 1), and the first piece waits for ``first_piece_tokens``;
+    ``pi``: the Pi 5 figures (default :data:`PI5`).
+    """
+    from ..audio.room import first_above
+    from ..vad import VadSegmenter
+
+    noise = fan_noise() if noise is None else noise
+    premature, detect, calls, ttfa = [], [], 0, []
+    for c in cases:
+        vad.reset()
+        seg = VadSegmenter(vad)
+        for k, v in settings.items():
+            setattr(seg, k, v)
+        seg.use_end_of_turn(end_of_turn)
+        x = np.concatenate([np.zeros(int(ONSET_S * MODEL_RATE), np.float32), c.audio, np.zeros(2 * MODEL_RATE, np.float32)])
+        if c.noise:
+            level = 10 ** ((active_dbfs(c.audio) - NOISE_SNR_DB) / 20)
+            x = x + (noise[np.arange(len(x)) % len(noise)] * level).astype(np.float32)
+        true_end = ONSET_S + (len(c.audio) - max(0, first_above(c.audio[::-1], -40.0))) / MODEL_RATE
+        ends, feeds, fed, final = [], [], 0, 0
+        step = step_ms * MODEL_RATE // 1000
+        for i in range(0, len(x), 512):
+            for ev in seg.push(x[i : i + 512]):
+                if ev.kind == "end":
+                    ends.append(seg._n / MODEL_RATE + (call_ms / 1000.0 if ev.eot_prob is not None else 0.0))
+                    final = final or len(ev.audio)
+            if not seg.confirmed:
+                fed = 0
+                continue
+            n = seg.utterance_samples()
+            if n - fed >= step or (n > fed and seg.silence_ms >= 96):
+                fed = n
+                feeds.append((seg._n / MODEL_RATE, n))
+        calls += len(seg.eot_calls)
+        if any(t < true_end for t in ends):
+            premature.append(c.label)
+        after = [t for t in ends if t >= true_end]
+        if after:
+            detect.append((after[0] - true_end) * 1000.0)
+            if not any(t < true_end for t in ends):
+                o = Outcome(c, eot_t=after[0], end_t=true_end, final_samples=final, prepared=True, feeds=feeds)
+                b = project_pi5(o, left_context_s, first_piece_tokens, pi or PI5)
+                if b:
+                    ttfa.append((c.seconds, b["total"]))
+    return {"premature_eot": {"count": len(premature), "n": len(cases)},
+            "eot_detect_ms": {"p50": pct(detect, 50), "p95": pct(detect, 95), "n": len(detect)},
+            "premature": premature, "calls": calls,
+            "pi5_projected_ttfa_ms": {"p50": pct([t for _, t in ttfa], 50), "p95": pct([t for _, t in ttfa], 95),
+                                      "n": len(ttfa), "p50_2_4s": pct([t for s_, t in ttfa if 2.0 <= s_ <= 4.0], 50)}}
+
+
+# The levers docs/latency.md reports (offline, python -m appliance.bench.latency --offline): segmenter fields.
+OFFLINE_LEVERS: list[tuple[str, dict]] = [
+    ("one call at 200 ms, max silence 1500 ms (before)", {"end_of_turn_confirm_ms": 0, "max_silence_ms": 1500}),
+    ("one call at 150 ms", {"short_stop_ms": 150, "end_of_turn_confirm_ms": 0}),
+    ("one call at 400 ms", {"short_stop_ms": 400, "end_of_turn_confirm_ms": 0}),
+    ("one call at 200 ms, threshold 0.9", {"end_of_turn_threshold": 0.9, "end_of_turn_confirm_ms": 0}),
+    ("200 ms, confirmed at 300 ms (default)", {}),
+    ("200 ms, confirmed at 400 ms", {"end_of_turn_confirm_ms": 400}),
+    ("150 ms, confirmed at 300 ms", {"short_stop_ms": 150, "end_of_turn_confirm_ms": 300}),
+    ("200 ms, confirmed at 300 ms, max silence 1500 ms", {"max_silence_ms": 1500}),
+    ("speech only heard, one call at 200 ms", {"end_of_turn_input": "speech", "end_of_turn_confirm_ms": 0}),
+    ("speech only heard, one call at 100 ms", {"end_of_turn_input": "speech", "short_stop_ms": 100,
+                                               "end_of_turn_confirm_ms": 0}),
+    ("speech only heard, one call at 300 ms", {"end_of_turn_input": "speech", "short_stop_ms": 300,
+                                               "end_of_turn_confirm_ms": 0}),
+    ("silence rule 500 ms (no model)", {"_silence": True, "min_silence_ms": 500}),
+    ("silence rule 800 ms (no model)", {"_silence": True, "min_silence_ms": 800}),
+]
+
+
+# (name, offline_eot keywords): the streaming levers, projected for a Pi 5 over the same turns.
+PROJECTION_LEVERS: list[tuple[str, dict]] = [
+    ("left 960 ms, step 500 ms, first piece 5 tokens (before)", {"left_context_s": 0.96}),
+    ("left 480 ms, step 500 ms, first piece 5 tokens", {}),
+    ("left 480 ms, step 1000 ms, first piece 5 tokens", {"step_ms": 1000}),
+    ("left 480 ms, step 250 ms, first piece 5 tokens", {"step_ms": 250}),
+    ("left 480 ms, step 500 ms, first piece 4 tokens", {"first_piece_tokens": 4}),
+    ("left 240 ms, step 500 ms, first piece 4 tokens", {"left_context_s": 0.24, "first_piece_tokens": 4}),
+    # What the Pi's prefill speed would have to be (the published 32 tok/s decides the backlog):
+    ("left 480, step 500, 4 tokens, prefill 48 tok/s", {"first_piece_tokens": 4, "pi": {**PI5, "prefill_tok_s": 48.0}}),
+    ("left 480, step 500, 4 tokens, prefill 64 tok/s", {"first_piece_tokens": 4, "pi": {**PI5, "prefill_tok_s": 64.0}}),
+]
+
+
+def _offline_main(argv: Optional[list] = None) -> int:
+    """``python -m appliance.bench.latency --offline [--cache DIR] [--call-ms MS]``: the end-of-turn levers
+    over the suite, offline, one line each (seconds per lever, not real time)."""
+    import argparse
+
+    from ..eot import SmartTurn
+    from ..vad import SileroVad
+    from .interruption import AudioCache
+
+    ap = argparse.ArgumentParser(prog="python -m appliance.bench.latency")
+    ap.add_argument("--offline", action="store_true", required=True)
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),
+                    help="the bench's speech cache (Piper's voice must already be in it)")
+    ap.add_argument("--call-ms", type=float, default=0.0, help="Smart Turn's time per call to add, ms")
+    args = ap.parse_args(argv)
+
+    cases = build_suite(AudioCache(Path(args.cache), None))
+    vad, smart = SileroVad(), SmartTurn()
+
+    def line(name: str, r: dict) -> str:
+        t = r["pi5_projected_ttfa_ms"]
+        return (f"{name:44} premature {r['premature_eot']['count']}/{r['premature_eot']['n']}  eot_detect_ms p50 "
+                f"{r['eot_detect_ms']['p50']} p95 {r['eot_detect_ms']['p95']}  calls {r['calls']}  Pi 5 projected "
+                f"p50 {t['p50']} (2-4 s: {t['p50_2_4s']}) p95 {t['p95']}  premature: {'; '.join(r['premature'])}")
+
+    print("End-of-turn levers (projection: left context 480 ms, step 500 ms, first piece 5 tokens):", flush=True)
+    for name, settings in OFFLINE_LEVERS:
+        settings = dict(settings)
+        silence = settings.pop("_silence", False)
+        r = offline_eot(cases, vad, None if silence else smart.probability, settings, call_ms=args.call_ms)
+        print(line(name, r), flush=True)
+    print("Projection levers (the default end of turn):", flush=True)
+    for name, kw in PROJECTION_LEVERS:
+        print(line(name, offline_eot(cases, vad, smart.probability, {}, call_ms=args.call_ms, **kw)), flush=True)
+    return 0
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_offline_main())
