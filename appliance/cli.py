@@ -78,10 +78,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"turn {t['reply_id']}: end of turn → first token {t['eot_to_first_token_ms']} ms, "
               f"→ first audio {t['eot_to_first_audio_ms']} ms{' (interrupted)' if t['interrupted'] else ''}")
     for b in report["barge_ins"]:
-        print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, output silent after {b['output_silent_ms']} ms")
+        silent = (f"output silent after {b['output_silent_ms']} ms" if b["output_silent_ms"] else
+                  "the output was already silent (a gap between clauses)")
+        print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, {silent}")
     if report["timed_out"]:
         print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
-    if not report["turns"]:
+    if not report["turns"] and any(e.speech for e in scenario.events):
         raise UserError(f"{args.input}: no speech was heard in it, so the appliance never answered (the timeline "
                         f"is in {out / 'timeline.jsonl'}); give a recording of someone speaking, louder if need be")
     return 0
@@ -140,12 +142,12 @@ def cmd_devices(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
     except UserError as exc:
-        print(f"warning: {_name_the_config(str(exc), args)} (listing the devices without it)", file=sys.stderr)
+        print(f"error: {_name_the_config(str(exc), args)} (listing the devices without it)", file=sys.stderr)
         status = 2
     text, problems = describe_devices(cfg)
     print(text)
     for line in problems:
-        print(f"warning: {_name_the_config(line, args)}", file=sys.stderr)
+        print(f"error: {_name_the_config(line, args)}", file=sys.stderr)
     return 2 if problems else status  # the listing either way; the status says whether the config would run
 
 

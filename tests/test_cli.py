@@ -170,11 +170,11 @@ def test_devices_and_doctor_name_the_config_file_given(tmp_path):
     broken.write_text("vad:\n  threshold: [1\n")
     r = appliance("devices", "--config", str(broken))
     assert r.returncode == 2 and "Traceback" not in r.stderr  # a listing still lists ...
-    assert r.stderr.startswith("warning: ") and str(broken) in r.stderr  # ... but says the config is broken
+    assert r.stderr.startswith("error: ") and str(broken) in r.stderr  # ... but says the config is broken
     absent = tmp_path / "absent.yaml"
     absent.write_text("audio:\n  input: No Such Microphone XYZ\n")
     r = appliance("devices", "--config", str(absent))
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "warning:" not in r.stdout
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" not in r.stdout
     assert "No Such Microphone XYZ" in r.stderr and f"set audio.input in {absent}" in r.stderr
     mine = tmp_path / "mine.yaml"
     mine.write_text("model:\n  gguf: /nonexistent/model.gguf\n")
@@ -207,3 +207,23 @@ def test_a_replay_stopped_halfway_leaves_no_files_of_an_earlier_run(tmp_path):
     _, err = p.communicate(timeout=60)
     assert "Traceback" not in err
     assert not (out / "reply.wav").exists() and not (out / "report.json").exists()
+
+
+def test_a_scenario_of_noises_only_is_replayed_without_an_answer(tmp_path):
+    """Every event marked ``speech: false`` (a doorbell alone): no answer is expected, so the replay ends with
+    exit 0, not with the "no speech was heard" error meant for a recording that should have been answered."""
+    import numpy as np
+
+    from appliance.audio.files import write_wav
+
+    t = np.arange(8000) / 16000
+    write_wav(tmp_path / "bell.wav", (0.3 * np.sin(2 * np.pi * 880 * t) * np.exp(-4 * t)).astype(np.float32), 16000)
+    scenario = tmp_path / "bell.yaml"
+    scenario.write_text("events:\n  - at: 0.3\n    say: bell.wav\n    speech: false\n")
+    r = appliance("replay", str(scenario), "--out", str(tmp_path / "o"), "--embedded", "--fast")
+    assert r.returncode == 0 and "error" not in r.stderr, r.stderr
+    assert (tmp_path / "o" / "timeline.jsonl").is_file()
+    speech = tmp_path / "speech.yaml"  # the same with a spoken event that is never heard still says so
+    speech.write_text("events:\n  - at: 0.3\n    say: bell.wav\n    text: \"ding\"\n")
+    r = appliance("replay", str(speech), "--out", str(tmp_path / "o2"), "--embedded", "--fast")
+    assert r.returncode == 2 and "no speech was heard" in r.stderr, r.stderr
