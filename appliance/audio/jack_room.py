@@ -24,8 +24,8 @@ gets what the appliance plays. Every JACK period the room
 Ground truth, on JACK's own clock (frame times, :attr:`JackRoom.rate` Hz): each scripted utterance's start,
 onset (first sample above −40 dBFS) and end (last sample above −40 dBFS) frame, and every output sample
 the appliance played (:meth:`JackRoom.heard`), so that silence of the output is measured as the room
-hears it. :meth:`JackRoom.monotonic_of` maps a frame time to ``time.monotonic()`` (the earliest callback
-seen for a frame bounds it: callbacks are never early), to place the service's own events on that clock.
+hears it. :meth:`JackRoom.frame_of` maps a ``time.monotonic()`` reading to a frame time (from the
+callbacks around it: a callback is never early), to place the service's own events on that clock.
 
 Pick the server with ``servername`` (or the ``JACK_DEFAULT_SERVER`` environment variable); the room never
 starts a server by itself.
@@ -33,6 +33,7 @@ starts a server by itself.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ class JackRoom:
         self.recentred = 0
         self.underruns = 0  # echo samples the drift resampler had not produced in time (zeros instead)
         self.callbacks = 0
-        self._mono_offset = float("inf")  # min(time.monotonic() − frame/rate) over callbacks
+        self._cycles: list[tuple[float, float, int]] = []  # (monotonic − frame/rate, monotonic, frame) a callback
         self._gain: Optional[float] = None
         self._ir16 = impulse_response
         self._build_path(echo_gain_db)
@@ -237,13 +238,27 @@ class JackRoom:
         """Seconds since the room's first period, for a frame time."""
         return (frame - (self.frame0 or 0)) / self.rate
 
+    def _offset(self, value: float, field: int) -> float:
+        """``time.monotonic() − frame/rate`` near a monotonic time (``field`` 1) or a frame time (``field``
+        2): the smallest over the callbacks within a second of it (a callback is never early, often late).
+        Local, because a dummy driver's frame clock falls behind the wall clock on a loaded machine
+        (measured here: seconds over a minute)."""
+        cycles = self._cycles
+        if not cycles:
+            return 0.0
+        span = 1.0 if field == 1 else float(self.rate)
+        i = bisect.bisect_left(cycles, value - span, key=lambda c: c[field])
+        j = bisect.bisect_right(cycles, value + span, key=lambda c: c[field])
+        near = cycles[i:j] or [cycles[min(i, len(cycles) - 1)]]
+        return min(c[0] for c in near)
+
     def monotonic_of(self, frame: int) -> float:
-        """``time.monotonic()`` of a frame time (± one period; see the module docstring)."""
-        return self._mono_offset + frame / self.rate
+        """``time.monotonic()`` of a frame time (± one period; see :meth:`_offset`)."""
+        return self._offset(frame, 2) + frame / self.rate
 
     def frame_of(self, monotonic: float) -> int:
-        """The frame time of a ``time.monotonic()`` reading."""
-        return int(round((monotonic - self._mono_offset) * self.rate))
+        """The frame time of a ``time.monotonic()`` reading (± one period)."""
+        return int(round((monotonic - self._offset(monotonic, 1)) * self.rate))
 
     def heard(self, f0: int, f1: int) -> np.ndarray:
         """What the appliance played from frame ``f0`` to ``f1``, float32 at :attr:`rate` (zeros where
@@ -273,7 +288,7 @@ class JackRoom:
     def _process(self, frames: int) -> None:
         t = time.monotonic()
         f0 = self.client.last_frame_time
-        self._mono_offset = min(self._mono_offset, t - f0 / self.rate)
+        self._cycles.append((t - f0 / self.rate, t, f0))
         if self.frame0 is None:
             self.frame0 = f0
         ear = np.array(self.ear.get_array(), dtype=np.float32)
