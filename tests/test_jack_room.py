@@ -1,0 +1,110 @@
+"""The short JACK-room run (issue 18): ``appliance run`` itself, as a subprocess, on real PortAudio
+streams at 48 kHz (so the worker's resampling path runs as on a Pi), in the JACK room of
+``appliance bench interruption --room jack``. A JACK dummy server of its own (``appliance-test-room48``)
+is started and stopped here; the shared 16 kHz test server is not touched.
+
+Real parts: the service's whole assembly and audio worker, PortAudio, Silero, Piper, the tiny random
+Gemma 4 fixture (it hears; its words are nonsense). Mocked: the sound card (a JACK dummy driver) and
+the room (a JACK client with an echo path and scripted speech).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from appliance.audio.files import load_audio
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = "appliance-test-room48"
+BARGE_IN_MAX_MS = 400.0  # onset to silence as the room hears it; measured here 90-155 ms (a loaded machine)
+
+
+def _why_skip():
+    if not shutil.which("jackd"):
+        return "jackd is not installed (apt-get install jackd2; .ci/run does)"
+    try:
+        import jack  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"the JACK-Client package is not usable ({exc})"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory):
+    """A 48 kHz JACK dummy server, the room on it (no echo path yet) and the service, listening."""
+    from appliance.audio.jack_room import JackRoom
+    from appliance.audio.room import synthetic_ir
+    from appliance.bench.jack_room import JackServer, ServiceUnderTest, service_config
+    from appliance.config import Config
+
+    server = JackServer(SERVER, 48000, 1024).start()
+    work = tmp_path_factory.mktemp("jack-room")
+    room = svc = None
+    try:
+        room = JackRoom(f"testroom{os.getpid()}", servername=server.name, impulse_response=synthetic_ir(150.0))
+        cfg = Config()
+        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state", max_reply_tokens=48), work,
+                               server.env())
+        assert svc.wait_state("listening", 120), (work / "service.log").read_text()[-3000:]
+        yield room, svc
+    finally:
+        if svc is not None:
+            svc.stop()
+        if room is not None:
+            room.close()
+        server.stop()
+
+
+def _case(kind, label, audio, text, delay=0.6, echo_rel_db=0.0, echo_path=False):
+    from appliance.bench.interruption import Case
+
+    return Case(kind, label, audio, text, delay, echo_rel_db, echo_path=echo_path)
+
+
+def _run(room, svc, case):
+    from appliance.bench.jack_room import run_case
+
+    question = load_audio(ROOT / "demo" / "question.wav")
+    return run_case(case, room, svc, reply_level=-19.0, question=question, timeout_s=30.0)
+
+
+def test_barge_in_through_the_service_on_real_streams(running):
+    """No echo path (headphones): the reply plays through the worker's 48 kHz streams, the user's "Wait,
+    stop." silences it within the bound as the room hears it, and the reply is dropped."""
+    room, svc = running
+    wait = load_audio(ROOT / "demo" / "wait.wav")
+    for attempt in range(3):  # the random model's reply can be too short to talk over
+        out = _run(room, svc, _case("short_stop", "Wait, stop.", wait, "Wait, stop."))
+        if out.valid:
+            break
+    assert out.valid, out.note
+    assert out.barge is not None, [r["event"] for r in out.records]
+    assert 0.0 < out.barge["output_silent_ms"] <= BARGE_IN_MAX_MS, out.barge
+    assert out.flushed, [r["event"] for r in out.records]
+
+
+def test_no_pause_when_nobody_talks(running):
+    """The whole reply to one question, nobody talking over it and no echo path: the appliance must not
+    pause on its own (the microphone's noise floor alone comes back)."""
+    room, svc = running
+    out = _run(room, svc, _case("echo_only", "nobody talks", None, None))
+    assert out.valid, out.note
+    assert any(r["event"] == "turn_end" for r in out.records)
+    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18 item 3: on real streams the appliance pauses on its own echo "
+                                       "(measured here: 2-8 pauses a reply at 0 dB); flip this when it holds")
+def test_no_pause_on_its_own_echo(running):
+    """The same with the room's echo path (30 ms, RT60 150 ms, the echo at the user's level)."""
+    room, svc = running
+    out = _run(room, svc, _case("echo_only", "echo 0 dB", None, None, echo_path=True))
+    assert out.valid, out.note
+    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]
