@@ -207,3 +207,10 @@ def test_a_replay_stopped_halfway_leaves_no_files_of_an_earlier_run(tmp_path):
     _, err = p.communicate(timeout=60)
     assert "Traceback" not in err
     assert not (out / "reply.wav").exists() and not (out / "report.json").exists()
+
+
+def test_bench_room_options_need_the_jack_room():
+    """--drift-ppm, --speaker and --echo-only describe the JACK room: the simulated room refuses them at
+    once (one clock, a linear speaker) instead of measuring something else."""
+    r = appliance("bench", "interruption", "--embedded", "--drift-ppm", "300")
+    one_line_error(r, "--room jack")

@@ -370,6 +370,14 @@ def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, 
             heard = room.heard(u.onset, u.onset + int((max(0.0, detected_ms) / 1000.0 + 0.3) * room.rate))
             out.barge = {"onset_t": speech[0]["onset_t"], "detected_ms": detected_ms,
                          "output_silent_ms": last_loud_ms(heard, room.rate)}
+    # A check on the clock mapping: the first output the room heard after the question, after the service
+    # said it started speaking (the output's latency: the worker's ring and PortAudio's buffers).
+    spoke = [r["t"] for r in recs if r["event"] == "state" and r.get("state") == "speaking" and r["t"] >= q_end]
+    if spoke and q.end is not None:
+        heard = room.heard(q.end, room.now())
+        loud = np.nonzero(np.abs(heard) >= SILENT_PEAK)[0]
+        if len(loud):
+            out.heard_lag_ms = round((room.seconds(q.end + int(loud[0])) - spoke[0]) * 1000.0, 1)
     if u is None and (room.last_loud is None or q.end is None or room.last_loud < q.end):
         out.valid, out.note = False, "no reply was heard"
     room.forget_before(start)
@@ -413,11 +421,15 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
             silent = o.barge.get("output_silent_ms") if o.barge else None
             print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
                        f"resumed={o.resumed} silent_ms={silent} detected_ms="
-                       f"{o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms}"
+                       f"{o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} "
+                       f"heard_after_speaking_ms={getattr(o, 'heard_lag_ms', None)}"
                        + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
         meter.stop()
         summary = sim.summarise(outcomes, [])
+        lags = [o.heard_lag_ms for o in outcomes if getattr(o, "heard_lag_ms", None) is not None]
         summary.update({
+            "heard_after_speaking_ms": {"p50": sim.pct(lags, 50), "min": min(lags, default=None),
+                                        "max": max(lags, default=None), "n": len(lags)},
             "room": "jack", "drift_ppm": drift_ppm, "speaker": speaker,
             "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
             "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
