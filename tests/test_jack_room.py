@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from appliance.audio.files import load_audio
@@ -37,20 +39,30 @@ pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip())
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory):
-    """A 48 kHz JACK dummy server, the room on it (no echo path yet) and the service, listening."""
+def server():
+    """A 48 kHz JACK dummy server of this module's own."""
+    from appliance.bench.jack_room import JackServer
+
+    srv = JackServer(SERVER, 48000, 1024).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def running(server, tmp_path_factory):
+    """The room on the server (no echo path yet) and the service, listening."""
     from appliance.audio.jack_room import JackRoom
     from appliance.audio.room import synthetic_ir
-    from appliance.bench.jack_room import JackServer, ServiceUnderTest, service_config
+    from appliance.bench.jack_room import ServiceUnderTest, service_config
     from appliance.config import Config
 
-    server = JackServer(SERVER, 48000, 1024).start()
     work = tmp_path_factory.mktemp("jack-room")
     room = svc = None
     try:
         room = JackRoom(f"testroom{os.getpid()}", servername=server.name, impulse_response=synthetic_ir(150.0))
-        cfg = Config()
-        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state", max_reply_tokens=48), work,
+        svc = ServiceUnderTest(service_config(Config(), room.name, work / "state", max_reply_tokens=48), work,
                                server.env())
         assert svc.wait_state("listening", 120), (work / "service.log").read_text()[-3000:]
         yield room, svc
@@ -59,7 +71,46 @@ def running(tmp_path_factory):
             svc.stop()
         if room is not None:
             room.close()
-        server.stop()
+
+
+def test_the_far_end_reaches_the_capture_side_whole_at_48khz(server, monkeypatch):
+    """The audio worker at 48 kHz hands the capture side as much far end as microphone, aligned: the
+    microphone's 48 -> 16 kHz resampler gives its samples in bursts, and the far end of the blocks in
+    between used to be dropped (2/3 of it). White noise through a pure 30 ms echo path."""
+    from appliance.audio.device import DeviceAudio
+    from appliance.audio.jack_room import JackRoom
+
+    monkeypatch.setenv("JACK_DEFAULT_SERVER", server.name)
+    room = JackRoom(f"farend{os.getpid()}", servername=server.name, echo_gain_db=0.0, noise_dbfs=None)
+    rng = np.random.default_rng(5)
+    sig = (0.1 * rng.standard_normal(48000 * 8)).astype(np.float32)
+    pos = [0]
+    mic, far = [], []
+
+    def pull(n):
+        x = sig[pos[0]:pos[0] + n]
+        pos[0] += n
+        return np.pad(x, (0, n - len(x)))
+
+    dev = DeviceAudio(room.name, room.name, 10, 48000)
+    dev.start(pull, lambda m, f: (mic.append(m.copy()), far.append(f.copy())))
+    try:
+        assert dev.wait_open(20)
+        time.sleep(5.0)
+    finally:
+        dev.stop()
+        room.close()
+    m, f = np.concatenate(mic), np.concatenate(far)
+    assert len(m) > 16000 * 3
+    assert abs(len(f) - len(m)) <= 1600, (len(f), len(m))  # within 100 ms (the first blocks have no far end)
+    s = len(m) - 16000  # the canceller pairs the two streams sample by sample from their starts
+    a = m[s:s + 8000]
+    b = f[s - 3200:s + 8000]  # the far end up to 200 ms earlier
+    c = np.correlate(b, a, mode="valid")  # c[k]: a against b[k:], i.e. the echo 3200 - k samples late
+    k = int(np.argmax(np.abs(c)))
+    lag_ms = (3200 - k) / 16.0
+    corr = float(c[k] / np.sqrt(np.dot(a, a) * np.dot(b[k:k + len(a)], b[k:k + len(a)])))
+    assert corr > 0.5 and 30.0 <= lag_ms <= 200.0, (corr, lag_ms)
 
 
 def _case(kind, label, audio, text, delay=0.6, echo_rel_db=0.0, echo_path=False):
