@@ -21,6 +21,10 @@ gets what the appliance plays. Every JACK period the room
 5. adds the scripted user speech and a microphone noise floor (white, ``noise_dbfs``), and writes the
    sum to ``mouth``.
 
+The loop (appliance output -> ``ear`` -> ``mouth`` -> appliance input) is a cycle in JACK's graph, so it
+adds one period: measured here with an impulse, the echo reaches ``mouth`` ``echo_delay_ms`` + one period
+(30 + 21.3 ms at 48 kHz, 1024 frames) after it was played, at the set gain.
+
 Ground truth, on JACK's own clock (frame times, :attr:`JackRoom.rate` Hz): each scripted utterance's start,
 onset (first sample above −40 dBFS) and end (last sample above −40 dBFS) frame, and every output sample
 the appliance played (:meth:`JackRoom.heard`), so that silence of the output is measured as the room
@@ -276,6 +280,8 @@ class JackRoom:
         """Drop the recording before ``frame`` (a long run keeps only what it still needs)."""
         with self._lock:
             self._heard = [(s, x) for s, x in self._heard if s + len(x) > frame]
+            keep = bisect.bisect_left(self._cycles, frame - 60 * self.rate, key=lambda c: c[2])
+            del self._cycles[:keep]  # the clock mapping keeps a minute before it
 
     def close(self) -> None:
         for step in (self.client.deactivate, self.client.close):
