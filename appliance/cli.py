@@ -231,6 +231,16 @@ def cmd_bench_interruption(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     json_out = _json_out(args)
+    if args.room == "jack":
+        from .bench import jack_room
+
+        jack_room.run(cfg, json_out, Path(args.cache), quick=args.quick, drift_ppm=args.drift_ppm,
+                      speaker=args.speaker, echo_only=args.echo_only, rate=args.jack_rate, period=args.jack_period,
+                      print_line=lambda s: print(s, flush=True))
+        return 0
+    if args.echo_only or args.drift_ppm or args.speaker != "linear":
+        raise UserError("--echo-only, --drift-ppm and --speaker need --room jack (the simulated room has one clock "
+                        "and a linear speaker)")
     parts = Parts.load(cfg, persist=False)
     interruption.run(cfg, parts, json_out, Path(args.cache), quick=args.quick,
                      print_line=lambda s: print(s, flush=True))
@@ -333,6 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),
                     help="where generated bench speech is cached (default ~/.cache/appliance/bench-audio)")
     sp.add_argument("--quick", action="store_true", help="a small subset of the suite (a smoke run)")
+    sp.add_argument("--room", choices=("sim", "jack"), default="sim",
+                    help="sim: the simulated room (fast, deterministic; default); jack: `appliance run` itself on "
+                         "real PortAudio streams, in a room on a JACK server of its own")
+    sp.add_argument("--drift-ppm", type=float, default=0.0, help="--room jack: the speaker's clock drift, ppm")
+    sp.add_argument("--speaker", choices=("linear", "clip"), default="linear",
+                    help="--room jack: a linear speaker, or a small one that soft-clips")
+    sp.add_argument("--echo-only", type=int, default=0, metavar="N",
+                    help="--room jack: only N echo-only replies at 0 dB and N at +6 dB, every pause counted")
+    sp.add_argument("--jack-rate", type=int, default=48000, help="--room jack: the JACK server's rate, Hz")
+    sp.add_argument("--jack-period", type=int, default=1024, help="--room jack: frames per JACK period")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
 

@@ -227,3 +227,10 @@ def test_a_scenario_of_noises_only_is_replayed_without_an_answer(tmp_path):
     speech.write_text("events:\n  - at: 0.3\n    say: bell.wav\n    text: \"ding\"\n")
     r = appliance("replay", str(speech), "--out", str(tmp_path / "o2"), "--embedded", "--fast")
     assert r.returncode == 2 and "no speech was heard" in r.stderr, r.stderr
+
+
+def test_bench_room_options_need_the_jack_room():
+    """--drift-ppm, --speaker and --echo-only describe the JACK room: the simulated room refuses them at
+    once (one clock, a linear speaker) instead of measuring something else."""
+    r = appliance("bench", "interruption", "--embedded", "--drift-ppm", "300")
+    one_line_error(r, "--room jack")

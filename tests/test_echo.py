@@ -324,3 +324,22 @@ def test_a_band_with_no_echo_is_not_cold():
         ec.process(mic[i : i + FRAME], far[i : i + FRAME])
     assert all(erl < -40.0 for erl in ec.band_return_loss_db())
     assert ec.converged() and ec.warm and not ec.is_cold()
+
+
+def test_speex_frame_through_pointers_is_bit_exact_with_pyaec_lists():
+    """The Speex backend calls pyaec's C function on the arrays' buffers (half the cost of pyaec's own
+    list copies): its output must be exactly what ``Aec.cancel_echo`` gives on the same frames."""
+    pytest.importorskip("pyaec")
+    from pyaec import Aec
+
+    from appliance.audio.echo import FRAME, _SpeexMdf, _to_i16
+
+    rng = np.random.default_rng(3)
+    far = (0.2 * rng.standard_normal(FRAME * 300)).astype(np.float32)
+    near = (0.5 * np.concatenate([np.zeros(480, np.float32), far])[: len(far)]
+            + 0.01 * rng.standard_normal(len(far))).astype(np.float32)
+    ours, ref = _SpeexMdf(200.0, True), Aec(FRAME, 3200, 16000, True)
+    for i in range(300):
+        sl = slice(i * FRAME, (i + 1) * FRAME)
+        want = np.asarray(ref.cancel_echo(_to_i16(near[sl]).tolist(), _to_i16(far[sl]).tolist()), np.float32) / 32767.0
+        assert np.array_equal(ours.frame(near[sl], far[sl]), want), i

@@ -427,9 +427,12 @@ class DeviceAudio(AudioPort):
                 if info.in_channels > 1:
                     raw = raw.reshape(-1, info.in_channels).mean(axis=1)
                 mic = mic_rs(raw.astype(np.float32))
-                far_end = np.concatenate(far) if far else np.zeros(0, dtype=np.float32)
-                far = []
                 if len(mic):
+                    # The far end waits for the next microphone samples: the resampler gives them in bursts
+                    # (soxr HQ 48 -> 16 kHz: nothing for two 10 ms blocks, then 30 ms), and a far end handed
+                    # over with an empty block was lost (2/3 of it at 48 kHz, measured in the JACK room).
+                    far_end = np.concatenate(far) if far else np.zeros(0, dtype=np.float32)
+                    far = []
                     self.capture(mic, far_end)
             elif kind is p.Kind.LOST:
                 try:

@@ -1,0 +1,364 @@
+"""A room on a JACK server: a JACK client that is the appliance's microphone and hears its speaker, for
+the barge-in and echo benchmark on real PortAudio streams (``appliance bench interruption --room jack``)
+and its short test.
+
+The client (``JACK-Client``, never sounddevice: this process holds no PortAudio stream) registers two
+ports. PortAudio shows the client as a sound device, so the appliance opens it by name
+(``audio.input``/``audio.output`` = the client's name): ``mouth`` is the appliance's microphone, ``ear``
+gets what the appliance plays. Every JACK period the room
+
+1. reads the ``ear`` block (what the appliance played: the ground truth of its output),
+2. passes it through the loudspeaker: ``linear``, or ``clip`` (a 3 W speaker driven hard: ``tanh`` soft
+   clipping, then a band-limited small-speaker response, 300 Hz–6.5 kHz, windowed-sinc FIR),
+3. through the clock drift: the echo resampled by ``1 + drift_ppm·1e-6`` with a streaming soxr resampler
+   (a speaker crystal running ``drift_ppm`` fast relative to the microphone's; the echo's delay shrinks
+   by ``drift_ppm`` µs every second). While the appliance has been silent for a second, the accumulated
+   drift is re-centred to the nominal delay, as a device's ring resynchronises (counted in
+   :attr:`JackRoom.recentred`): each reply drifts from the nominal delay by ``drift_ppm`` over its length,
+4. through the room's echo path: ``echo_delay_ms`` of pure delay, then the room impulse response the
+   simulated room uses (:func:`appliance.audio.room.synthetic_ir`, resampled to the server's rate, unit
+   energy), at ``echo_gain_db`` (FFT overlap-save convolution),
+5. adds the scripted user speech and a microphone noise floor (white, ``noise_dbfs``), and writes the
+   sum to ``mouth``.
+
+The loop (appliance output -> ``ear`` -> ``mouth`` -> appliance input) is a cycle in JACK's graph, so it
+adds one period: measured here with an impulse, the echo reaches ``mouth`` ``echo_delay_ms`` + one period
+(30 + 21.3 ms at 48 kHz, 1024 frames) after it was played, at the set gain.
+
+Ground truth, on JACK's own clock (frame times, :attr:`JackRoom.rate` Hz): each scripted utterance's start,
+onset (first sample above −40 dBFS) and end (last sample above −40 dBFS) frame, and every output sample
+the appliance played (:meth:`JackRoom.heard`), so that silence of the output is measured as the room
+hears it. :meth:`JackRoom.frame_of` maps a ``time.monotonic()`` reading to a frame time (from the
+callbacks around it: a callback is never early), to place the service's own events on that clock.
+
+Pick the server with ``servername`` (or the ``JACK_DEFAULT_SERVER`` environment variable); the room never
+starts a server by itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .files import MODEL_RATE, first_above, resample
+
+SILENT_PEAK = 10 ** (-50 / 20)  # below -50 dBFS peak: silence (as replay's SILENT_PEAK)
+SPEAKERS = ("linear", "clip")
+
+
+def small_speaker_fir(rate: int, low_hz: float = 300.0, high_hz: float = 6500.0, taps: int = 511) -> np.ndarray:
+    """A small loudspeaker's band: a linear-phase band-pass FIR (Blackman-windowed sinc), unity gain at
+    1 kHz. float32 [taps] at ``rate`` Hz; its group delay is ``(taps - 1) / 2`` samples."""
+    high_hz = min(high_hz, 0.45 * rate)
+    n = np.arange(taps) - (taps - 1) / 2
+    h = (2 * high_hz / rate) * np.sinc(2 * high_hz / rate * n) - (2 * low_hz / rate) * np.sinc(2 * low_hz / rate * n)
+    h *= np.blackman(taps)
+    gain = abs(np.sum(h * np.exp(-2j * np.pi * 1000.0 / rate * np.arange(taps))))
+    return (h / gain).astype(np.float32)
+
+
+def soft_clip(x: np.ndarray, drive: float) -> np.ndarray:
+    """``tanh(drive·x)/drive``: unity gain for small signals, a peak of 0.5 comes out at
+    ``tanh(drive/2)/drive`` (drive 2: 0.38, −2.3 dB, with odd harmonics)."""
+    return (np.tanh(drive * x) / drive).astype(np.float32)
+
+
+class _OverlapSave:
+    """Streaming FIR convolution by FFT overlap-save: ``y = h ⊛ x`` block by block, any block length."""
+
+    def __init__(self, h: np.ndarray, max_block: int = 8192):
+        self.h = np.asarray(h, dtype=np.float32)
+        self._hist = np.zeros(len(self.h) - 1, dtype=np.float32)
+        self._ffts: dict[int, tuple[int, np.ndarray]] = {}
+        self.max_block = max_block
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n = len(x)
+        if len(self.h) == 1:
+            return (self.h[0] * x).astype(np.float32)
+        if n not in self._ffts:
+            size = 1 << int(np.ceil(np.log2(len(self.h) - 1 + n)))
+            self._ffts[n] = (size, np.fft.rfft(self.h, size))
+        size, hf = self._ffts[n]
+        line = np.concatenate([self._hist, x])
+        y = np.fft.irfft(np.fft.rfft(line, size) * hf, size)[len(self.h) - 1: len(line)]
+        self._hist = line[len(line) - len(self._hist):]
+        return y.astype(np.float32)
+
+
+@dataclass
+class Utterance:
+    """A scripted sound and its ground truth, frame times of the room's server (None until it plays)."""
+
+    label: str
+    text: Optional[str]
+    audio: np.ndarray  # float32 at the server's rate
+    start: Optional[int] = None
+    onset_offset: int = 0
+    end_offset: int = 0
+    after_delay: Optional[int] = None  # armed: starts this many frames after the appliance is next heard
+
+    @property
+    def onset(self) -> Optional[int]:
+        return None if self.start is None else self.start + self.onset_offset
+
+    @property
+    def end(self) -> Optional[int]:
+        return None if self.start is None else self.start + self.end_offset
+
+
+class JackRoom:
+    """The appliance's room on a JACK server (see the module docstring).
+
+    :param name: the JACK client's name (the appliance's ``audio.input``/``audio.output``).
+    :param servername: the JACK server (None: ``JACK_DEFAULT_SERVER`` or the default server).
+    :param echo_gain_db: the echo's level at the microphone relative to what was played, dB; None: no
+        echo path. Change it between scenarios with :meth:`set_echo`.
+    :param echo_delay_ms: pure delay before the impulse response, ms.
+    :param impulse_response: float32 at 16 kHz (unit energy after resampling); None: a single tap.
+    :param drift_ppm: the speaker's clock relative to the microphone's, ppm (0: one clock).
+    :param speaker: ``"linear"`` or ``"clip"``.
+    :param clip_drive: the soft clipper's drive (``clip`` only).
+    :param noise_dbfs: the microphone's noise floor, white, dBFS RMS (None: digital silence).
+    :raises jack.JackError: no server to connect to.
+    """
+
+    def __init__(self, name: str = "room", servername: Optional[str] = None, echo_gain_db: Optional[float] = None,
+                 echo_delay_ms: float = 30.0, impulse_response: Optional[np.ndarray] = None, drift_ppm: float = 0.0,
+                 speaker: str = "linear", clip_drive: float = 2.0, noise_dbfs: Optional[float] = -70.0,
+                 seed: int = 0):
+        import jack
+
+        if speaker not in SPEAKERS:
+            raise ValueError(f"speaker must be one of {SPEAKERS}, not {speaker!r}")
+        self.client = jack.Client(name, no_start_server=True, servername=servername)
+        self.name = name
+        self.rate = int(self.client.samplerate)
+        self.mouth = self.client.outports.register("mouth")
+        self.ear = self.client.inports.register("ear")
+        self.drift_ppm = float(drift_ppm)
+        self.speaker = speaker
+        self.clip_drive = float(clip_drive)
+        self.echo_delay_ms = float(echo_delay_ms)
+        self._rng = np.random.default_rng(seed)
+        self._noise = None if noise_dbfs is None else 10 ** (noise_dbfs / 20.0)
+        self._lock = threading.Lock()
+        self._pending: list[Utterance] = []
+        self._active: list[Utterance] = []
+        self.played: list[Utterance] = []
+        self._heard: list[tuple[int, np.ndarray]] = []
+        self.frame0: Optional[int] = None
+        self.frames = 0  # the last callback's frame time + its frames
+        self.last_loud: Optional[int] = None  # the last frame the appliance was heard (peak ≥ −50 dBFS)
+        self._quiet_since: Optional[int] = None
+        self.recentred = 0
+        self.underruns = 0  # echo samples the drift resampler had not produced in time (zeros instead)
+        self.callbacks = 0
+        self._cycles: list[tuple[float, float, int]] = []  # (monotonic − frame/rate, monotonic, frame) a callback
+        self._gain: Optional[float] = None
+        self._ir16 = impulse_response
+        self._build_path(echo_gain_db)
+        self.client.set_process_callback(self._process)
+        self.down = threading.Event()
+        self.client.set_shutdown_callback(lambda status, reason: self.down.set())
+        self.client.activate()
+
+    # --- the echo path ---
+    def _build_path(self, echo_gain_db: Optional[float]) -> None:
+        rate = self.rate
+        ir = np.ones(1, dtype=np.float32) if self._ir16 is None else resample(self._ir16, MODEL_RATE, rate)
+        ir = ir / np.sqrt(max(float(np.sum(ir.astype(np.float64) ** 2)), 1e-20))
+        delay = int(round(self.echo_delay_ms * rate / 1000.0))
+        self._bandpass = None
+        if self.speaker == "clip":
+            bp = small_speaker_fir(rate)
+            ir = np.convolve(bp, ir)
+            delay = max(0, delay - (len(bp) - 1) // 2)  # the band-pass's group delay is part of the path
+        self._fir = _OverlapSave(ir.astype(np.float32))
+        self._delay = delay
+        self._fifo = np.zeros(delay, dtype=np.float32)  # the pure delay, drained by the drift
+        self._rs = None
+        self._fed = self._made = 0  # samples into and out of the drift resampler
+        self._recentre_due = False
+        if self.drift_ppm:
+            import soxr
+
+            self._rs = soxr.ResampleStream(rate * (1.0 + self.drift_ppm * 1e-6), rate, 1, dtype="float32",
+                                           quality="HQ")
+        self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
+
+    def set_echo(self, echo_gain_db: Optional[float]) -> None:
+        """The echo's level from the next period on, dB (None: no echo path); the echo path's state stays."""
+        with self._lock:
+            self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
+
+    # --- the script ---
+    def _utterance(self, audio16: np.ndarray, label: str, text: Optional[str]) -> Utterance:
+        audio = resample(np.asarray(audio16, dtype=np.float32), MODEL_RATE, self.rate)
+        on = max(0, first_above(audio, -40.0))
+        last = max(0, first_above(audio[::-1], -40.0))
+        return Utterance(label, text, audio, onset_offset=on, end_offset=len(audio) - last)
+
+    def say_at(self, frame: int, audio16: np.ndarray, label: str, text: Optional[str] = None) -> Utterance:
+        """Say ``audio16`` (float32 mono 16 kHz) into the microphone from JACK frame ``frame`` on (at the
+        next period if that has passed). :returns: its :class:`Utterance` (ground truth once it plays)."""
+        u = self._utterance(audio16, label, text)
+        u.start = int(frame)
+        with self._lock:
+            self._pending.append(u)
+        return u
+
+    def say_after_heard(self, delay_s: float, audio16: np.ndarray, label: str, text: Optional[str] = None) -> Utterance:
+        """Say ``audio16`` ``delay_s`` after the appliance is next heard (its output's first sample above
+        −50 dBFS from now on): an interjection while it speaks."""
+        u = self._utterance(audio16, label, text)
+        u.after_delay = int(delay_s * self.rate)
+        with self._lock:
+            self._pending.append(u)
+        return u
+
+    @property
+    def saying(self) -> bool:
+        """A scripted utterance is pending or playing."""
+        with self._lock:
+            return bool(self._pending or self._active)
+
+    def cancel(self) -> None:
+        """Drop what is pending (an armed interjection whose reply never came)."""
+        with self._lock:
+            self._pending = []
+
+    # --- clocks and recordings ---
+    def now(self) -> int:
+        """The frame time at the end of the last period."""
+        return self.frames
+
+    def seconds(self, frame: int) -> float:
+        """Seconds since the room's first period, for a frame time."""
+        return (frame - (self.frame0 or 0)) / self.rate
+
+    def _offset(self, value: float, field: int) -> float:
+        """``time.monotonic() − frame/rate`` near a monotonic time (``field`` 1) or a frame time (``field``
+        2): the smallest over the callbacks within a second of it (a callback is never early, often late).
+        Local, because a dummy driver's frame clock falls behind the wall clock on a loaded machine
+        (measured here: seconds over a minute)."""
+        cycles = self._cycles
+        if not cycles:
+            return 0.0
+        span = 1.0 if field == 1 else float(self.rate)
+        i = bisect.bisect_left(cycles, value - span, key=lambda c: c[field])
+        j = bisect.bisect_right(cycles, value + span, key=lambda c: c[field])
+        near = cycles[i:j] or [cycles[min(i, len(cycles) - 1)]]
+        return min(c[0] for c in near)
+
+    def monotonic_of(self, frame: int) -> float:
+        """``time.monotonic()`` of a frame time (± one period; see :meth:`_offset`)."""
+        return self._offset(frame, 2) + frame / self.rate
+
+    def frame_of(self, monotonic: float) -> int:
+        """The frame time of a ``time.monotonic()`` reading (± one period)."""
+        return int(round((monotonic - self._offset(monotonic, 1)) * self.rate))
+
+    def heard(self, f0: int, f1: int) -> np.ndarray:
+        """What the appliance played from frame ``f0`` to ``f1``, float32 at :attr:`rate` (zeros where
+        the room missed a period)."""
+        out = np.zeros(max(0, f1 - f0), dtype=np.float32)
+        with self._lock:
+            blocks = list(self._heard)
+        for start, x in blocks:
+            lo, hi = max(f0, start), min(f1, start + len(x))
+            if hi > lo:
+                out[lo - f0: hi - f0] = x[lo - start: hi - start]
+        return out
+
+    def forget_before(self, frame: int) -> None:
+        """Drop the recording before ``frame`` (a long run keeps only what it still needs)."""
+        with self._lock:
+            self._heard = [(s, x) for s, x in self._heard if s + len(x) > frame]
+            keep = bisect.bisect_left(self._cycles, frame - 60 * self.rate, key=lambda c: c[2])
+            del self._cycles[:keep]  # the clock mapping keeps a minute before it
+
+    def close(self) -> None:
+        for step in (self.client.deactivate, self.client.close):
+            try:
+                step()
+            except Exception:
+                pass
+
+    # --- the JACK process callback ---
+    def _process(self, frames: int) -> None:
+        t = time.monotonic()
+        f0 = self.client.last_frame_time
+        self._cycles.append((t - f0 / self.rate, t, f0))
+        if self.frame0 is None:
+            self.frame0 = f0
+        ear = np.array(self.ear.get_array(), dtype=np.float32)
+        out = self.mouth.get_array()
+        loud = np.nonzero(np.abs(ear) >= SILENT_PEAK)[0]
+        with self._lock:
+            self.callbacks += 1
+            self._heard.append((f0, ear))
+            if len(loud):
+                first_loud = f0 + int(loud[0])
+                for u in self._pending:
+                    if u.start is None and u.after_delay is not None:
+                        u.start = first_loud + u.after_delay
+                self.last_loud = f0 + int(loud[-1])
+                self._quiet_since = None
+            elif self._quiet_since is None:
+                self._quiet_since = f0
+            gain = self._gain
+            mic = self._echo(ear, f0, frames, gain)
+            if self._noise is not None:
+                mic += self._noise * self._rng.standard_normal(frames).astype(np.float32)
+            keep = []
+            for u in self._pending:
+                if u.start is not None and u.start < f0 + frames:
+                    u.start = max(u.start, f0)
+                    self._active.append(u)
+                    self.played.append(u)
+                else:
+                    keep.append(u)
+            self._pending = keep
+            for u in self._active:
+                lo, hi = max(f0, u.start), min(f0 + frames, u.start + len(u.audio))
+                if hi > lo:
+                    mic[lo - f0: hi - f0] += u.audio[lo - u.start: hi - u.start]
+            self._active = [u for u in self._active if u.start + len(u.audio) > f0 + frames]
+            self.frames = f0 + frames
+        out[:] = mic
+
+    def _echo(self, ear: np.ndarray, f0: int, frames: int, gain: Optional[float]) -> np.ndarray:
+        x = ear
+        if self.speaker == "clip":
+            x = soft_clip(x, self.clip_drive)
+        if self._rs is not None:
+            self._fed += len(x)
+            x = self._rs.resample_chunk(x)
+            self._made += len(x)
+            if self._quiet_since is None:
+                self._recentre_due = True
+            elif self._recentre_due and f0 - self._quiet_since >= self.rate:
+                # A second of silence: re-centre the accumulated drift (zeros in, zeros out). The delay in
+                # effect is what the FIFO holds after this period plus what the resampler still holds.
+                self._recentre_due = False
+                backlog = self._fed / (1.0 + self.drift_ppm * 1e-6) - self._made
+                level = int(round(self._delay - backlog)) + frames - len(x)
+                if abs(len(self._fifo) - level) >= self.rate // 1000:
+                    self._fifo = np.zeros(max(0, level), dtype=np.float32)
+                    self.recentred += 1
+        self._fifo = np.concatenate([self._fifo, x])
+        take = self._fifo[:frames]
+        if len(take) < frames:
+            self.underruns += frames - len(take)
+            take = np.concatenate([take, np.zeros(frames - len(take), dtype=np.float32)])
+        self._fifo = self._fifo[frames:]
+        y = self._fir(take)
+        if gain is None:
+            return np.zeros(frames, dtype=np.float32)
+        return (gain * y).astype(np.float32)

@@ -1,0 +1,458 @@
+"""``appliance bench interruption --room jack``: the barge-in suite through the service itself, on real
+PortAudio streams, in a room on a JACK server (:class:`appliance.audio.jack_room.JackRoom`).
+
+How it runs:
+
+1. A JACK server of its own: ``jackd -n appliance-room<rate> --no-realtime -d dummy -r RATE -p PERIOD``
+   (a dummy driver: no sound card, callbacks paced in real time), started unless one of that name is
+   up, and stopped at the end if started here. The shared default server is never touched.
+2. The room: a JACK client on it (``--drift-ppm``, ``--speaker clip|linear``), echo path as the simulated
+   room's (30 ms, RT60 150 ms synthetic IR), user speech from the simulated bench's cache.
+3. The service: ``python -m appliance -v run --config <generated>`` as a subprocess, its
+   ``audio.input``/``audio.output`` the room's client name, ``JACK_DEFAULT_SERVER`` the room's server.
+   That is ``appliance run``'s code path whole: its assembly, its audio worker process, its canceller
+   from the config. Everything but ``model`` and ``storage`` comes from the config given (``--config``).
+   The model is the tiny random-weight Gemma 4 test fixture: ``appliance run`` refuses a text-only model,
+   and the fixture hears the microphone (a real audio turn through the projector) and answers with a few
+   dozen nonsense tokens that Piper speaks, 2–8 s a reply. What the reply says does not matter to the
+   barge-in layer (VAD, canceller, onset gate, turn taker, fades), which is what this suite measures.
+4. The service's own events come from its debug timeline on stderr (one JSON record a line), placed on
+   the room's clock: the service's session clock is mapped to ``time.monotonic()`` by the smallest
+   (arrival − ``t``) over its records, and monotonic time to JACK frames by the room
+   (:meth:`JackRoom.monotonic_of`); error about one JACK period. Latencies are measured on the room's
+   audio alone; the events only say which silence is the pause and count pauses, flushes and resumes.
+
+Scenarios run one after the other on one service, as a running appliance meets them; the first reply
+after the start is the ``first_reply`` case (a cold canceller). Barge-in latency = from the user's true
+onset (first sample above −40 dBFS, room clock) to the end of the last sample of the appliance's output
+above −50 dBFS as the room hears it, before the pause holds. A self-interruption is an ``interrupted``
+event in a reply with nobody talking (after the question has ended). ERLE is not measured here (the
+canceller's input and output stay inside the service); the simulated room measures it.
+
+CPU: ``listening_cpu_pct`` = CPU time of the service and its descendants (the audio worker) from
+``/proc/<pid>/stat``, over a quiet stretch with the service listening, % of one core;
+``speaking_cpu_pct`` = the same while the service's state was ``speaking``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import yaml
+
+from ..audio.files import MODEL_RATE
+from ..audio.jack_room import SILENT_PEAK, JackRoom
+from ..audio.room import synthetic_ir
+from ..config import Config
+from ..errors import UserError
+from . import interruption as sim
+
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tiny_gemma4"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+TIMELINE_TAG = " appliance.service: {"
+
+
+# --- the JACK server ---
+
+class JackServer:
+    """A named JACK dummy server of our own (started unless already up; stopped only if started here).
+
+    :param name: the server's name (clients select it with ``JACK_DEFAULT_SERVER``).
+    :param rate: Hz. :param period: frames per period.
+    :raises UserError: jackd is not installed or the server does not come up in 10 s.
+    """
+
+    def __init__(self, name: str, rate: int = 48000, period: int = 1024):
+        self.name, self.rate, self.period = name, int(rate), int(period)
+        self.proc: Optional[subprocess.Popen] = None
+
+    def env(self) -> dict:
+        return dict(os.environ, JACK_DEFAULT_SERVER=self.name, JACK_NO_START_SERVER="1")
+
+    def up(self) -> bool:
+        try:
+            return subprocess.run(["jack_lsp"], env=self.env(), capture_output=True, timeout=5).returncode == 0
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            return False
+
+    def start(self) -> "JackServer":
+        if self.up():
+            return self
+        if not shutil.which("jackd"):
+            raise UserError("jackd is not installed: apt-get install jackd2 (the JACK room needs a JACK server)")
+        self.proc = subprocess.Popen(["jackd", "-n", self.name, "--no-realtime", "-d", "dummy", "-r", str(self.rate),
+                                      "-p", str(self.period)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=self.env())
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            if self.up():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise UserError(f"the JACK server {self.name} did not come up in 10 s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+            self.proc = None
+
+
+# --- CPU of a process tree, from /proc ---
+
+def tree_ticks(root: int) -> int:
+    """utime + stime (clock ticks) of ``root`` and all its descendants alive now, from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        pid, ppid = int(entry), int(rest[1])
+        children.setdefault(ppid, []).append(pid)
+        ticks[pid] = int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+# --- the service under test ---
+
+def service_config(base: Config, room_name: str, state_dir: Path, max_reply_tokens: int = 64) -> dict:
+    """The config the service runs with: ``base`` with the room as its sound device, the tiny Gemma 4
+    fixture as its model, GPIO off and its state in ``state_dir``."""
+    if not (FIXTURE / "tiny-gemma4.gguf").is_file():
+        raise UserError(f"the tiny Gemma 4 fixture is missing ({FIXTURE}); the JACK room runs from a checkout")
+    data = base.model_dump(mode="json")
+    data["model"].update(gguf=str(FIXTURE / "tiny-gemma4.gguf"), mmproj=str(FIXTURE / "tiny-gemma4-mmproj.gguf"),
+                         n_ctx=1700, history_budget_tokens=512, max_reply_tokens=max_reply_tokens, n_threads=1)
+    data["audio"].update(input=room_name, output=room_name, retry_max_s=1.0)
+    data["gpio"]["enabled"] = False
+    data["storage"]["state_dir"] = str(state_dir)
+    return data
+
+
+class ServiceUnderTest:
+    """``python -m appliance -v run --config F`` on the room's server; its timeline records as they arrive.
+
+    :attr:`records`: (arrival ``time.monotonic()``, record) pairs. :attr:`state`: the last state.
+    """
+
+    def __init__(self, config: dict, workdir: Path, env: dict):
+        self.path = workdir / "config.yaml"
+        self.path.write_text(yaml.safe_dump(config))
+        self.log = open(workdir / "service.log", "w", encoding="utf-8")
+        self.records: list[tuple[float, dict]] = []
+        self.state = "starting"
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "-v", "run", "--config", str(self.path)],
+                                     cwd=Path(__file__).resolve().parents[2], env=dict(env, PYTHONUNBUFFERED="1"),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, errors="replace")
+        self._thread = threading.Thread(target=self._read, name="service-stderr", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            now = time.monotonic()
+            self.log.write(line)
+            i = line.find(TIMELINE_TAG)
+            if i < 0:
+                continue
+            try:
+                rec = json.loads(line[i + len(TIMELINE_TAG) - 1:])
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or "event" not in rec:
+                continue
+            with self._lock:
+                self.records.append((now, rec))
+                if rec["event"] == "state":
+                    self.state = rec["state"]
+
+    def t0(self) -> float:
+        """``time.monotonic()`` of the service's session clock's zero: min(arrival − t) over its records."""
+        with self._lock:
+            return min((a - r["t"] for a, r in self.records if isinstance(r.get("t"), (int, float))), default=0.0)
+
+    def since(self, k: int) -> list[dict]:
+        with self._lock:
+            return [r for _, r in self.records[k:]]
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.records)
+
+    def wait_state(self, state: str, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.state == state:
+                return True
+            if self.proc.poll() is not None:
+                raise UserError(f"the service exited ({self.proc.returncode}); see {self.log.name}")
+            time.sleep(0.05)
+        return self.state == state
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            rc = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(10)
+        self._thread.join(5)
+        self.log.close()
+        return rc
+
+
+class CpuMeter:
+    """Samples the service tree's CPU ticks every ``step`` s and files each interval under the service's
+    state at its start and end (an interval that changed state is not filed)."""
+
+    def __init__(self, svc: ServiceUnderTest, step: float = 0.5):
+        self.svc, self.step = svc, step
+        self.by_state: dict[str, list[float]] = {}  # state -> [ticks, seconds]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pid = self.svc.proc.pid
+        last = (time.monotonic(), tree_ticks(pid), self.svc.state)
+        while not self._stop.wait(self.step):
+            now = (time.monotonic(), tree_ticks(pid), self.svc.state)
+            if now[2] == last[2]:
+                acc = self.by_state.setdefault(now[2], [0.0, 0.0])
+                acc[0] += now[1] - last[1]
+                acc[1] += now[0] - last[0]
+            last = now
+
+    def pct(self, state: str) -> Optional[float]:
+        ticks, secs = self.by_state.get(state, (0.0, 0.0))
+        return round(100.0 * ticks / CLK_TCK / secs, 2) if secs > 0 else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+def idle_cpu_pct(pid: int, seconds: float) -> float:
+    """CPU of ``pid``'s tree over ``seconds`` of wall time, % of one core."""
+    t0, k0 = time.monotonic(), tree_ticks(pid)
+    time.sleep(seconds)
+    t1, k1 = time.monotonic(), tree_ticks(pid)
+    return round(100.0 * (k1 - k0) / CLK_TCK / (t1 - t0), 2)
+
+
+# --- the suite ---
+
+def jack_suite(cache: sim.AudioCache, quick: bool = False, echo_only: int = 0) -> list[sim.Case]:
+    """The cases the JACK room runs: the first reply (cold), then the simulated suite's barge-ins, echo-only
+    replies, noises, backchannels and short stops (``quick``: a few of each). ``echo_only`` > 0: only the
+    first reply and that many echo-only replies at 0 dB and at +6 dB. Not run here: the cold barge-in and
+    the reply after a stop word (each needs a restart or a second reply to follow)."""
+    cases = [sim.Case("first_reply", "echo +0 dB, the service's first reply", None, None, 0.0, 0.0)]
+    if echo_only:
+        for rel in (0.0, 6.0):
+            cases += [sim.Case("echo_only", f"echo {rel:+.0f} dB #{k + 1}", None, None, 0.0, rel)
+                      for k in range(echo_only)]
+        return cases
+    full = [c for c in sim.build_suite(cache, quick=False) if c.kind in
+            ("barge_in", "echo_only", "noise", "backchannel", "short_stop")]
+    if quick:
+        keep = {"barge_in": 3, "echo_only": 2, "noise": 1, "backchannel": 2, "short_stop": 2}
+        seen: dict = {}
+        picked = []
+        for c in full:
+            if seen.get(c.kind, 0) < keep[c.kind] and (c.kind != "echo_only" or
+                                                       c.echo_rel_db not in [p.echo_rel_db for p in picked
+                                                                             if p.kind == "echo_only"]):
+                picked.append(c)
+                seen[c.kind] = seen.get(c.kind, 0) + 1
+        full = picked
+    return cases + full
+
+
+def last_loud_ms(audio: np.ndarray, rate: int) -> float:
+    """The end of the last sample above −50 dBFS, ms from the start of ``audio`` (0: silent throughout)."""
+    loud = np.nonzero(np.abs(audio) >= SILENT_PEAK)[0]
+    return round((int(loud[-1]) + 1) * 1000.0 / rate, 1) if len(loud) else 0.0
+
+
+def run_case(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, reply_level: float, question: np.ndarray,
+             timeout_s: float = 40.0) -> sim.Outcome:
+    """One scenario on the running service: the question, the reply, the scripted sound over it."""
+    if not svc.wait_state("listening", 60):
+        return sim.Outcome(case, [], valid=False, note=f"the service was {svc.state}, not listening")
+    end = time.monotonic() + 10  # the room quiet: nothing left of the previous reply
+    while time.monotonic() < end and room.last_loud is not None and room.now() - room.last_loud < room.rate // 2:
+        time.sleep(0.05)
+    room.set_echo(sim.echo_gain_db(case, reply_level) if case.echo_path else None)
+    k0 = svc.count()
+    start = room.now() + int(0.3 * room.rate)
+    q = room.say_at(start, question, "question", sim.QUESTION[0])
+    u = room.say_after_heard(case.delay_s, case.audio, case.label, case.text) if case.audio is not None else None
+    deadline = time.monotonic() + timeout_s
+    mark = None
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        recs = svc.since(k0)
+        ended = any(r["event"] in ("turn_end", "flushed") for r in recs)
+        if u is None:
+            done = q.start is not None and ended
+        elif u.start is None:
+            if ended:
+                break  # the reply ended before the interjection was due: invalid (see evaluate)
+            continue
+        elif room.now() < u.end:
+            continue
+        else:
+            done = ended or any(r["event"] == "resumed" for r in recs) or svc.state == "listening"
+        if done and mark is None:
+            mark = time.monotonic()
+        if mark is not None and time.monotonic() - mark >= 1.0:
+            break
+    room.cancel()
+    time.sleep(0.2)
+    return evaluate(case, room, svc, k0, q, u, start)
+
+
+def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, u, start: int) -> sim.Outcome:
+    """The case's outcome from the service's events (placed on the room's clock) and the room's audio."""
+    t0 = svc.t0()
+    recs = []
+    for r in svc.since(k0):
+        if isinstance(r.get("t"), (int, float)):
+            r = dict(r, t=round(room.seconds(room.frame_of(t0 + r["t"])), 4))
+        recs.append(r)
+    speech = []
+    if u is not None and u.start is not None:
+        speech = [{"event": "user_speech", "t": room.seconds(u.onset), "source": case.label, "text": case.text,
+                   "onset_t": round(room.seconds(u.onset), 4), "end_t": round(room.seconds(u.end), 4)}]
+    recs = sorted(recs + speech, key=lambda r: r.get("t", 0.0))
+    out = sim.Outcome(case, recs, valid=True)
+    if case.audio is not None:
+        out.valid, out.note = sim.interjection_validity(recs, speech)
+    q_end = room.seconds(q.end) if q.end is not None else 0.0
+    after = speech[0]["onset_t"] - 0.05 if speech else q_end
+    out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= after)
+    out.flushed = any(r["event"] == "flushed" and r["t"] >= after for r in recs)
+    resumed = [r for r in recs if r["event"] == "resumed" and r["t"] >= after]
+    out.resumed = bool(resumed) and not out.flushed
+    if speech and resumed:
+        out.resume_gap_ms = round((resumed[-1]["t"] - speech[0]["end_t"]) * 1000.0, 1)
+    if case.kind in ("barge_in", "short_stop") and speech:
+        pause = [r for r in recs if r["event"] == "interrupted" and r["t"] >= after]
+        if pause:
+            detected_ms = round((pause[0]["t"] - speech[0]["onset_t"]) * 1000.0, 1)
+            heard = room.heard(u.onset, u.onset + int((max(0.0, detected_ms) / 1000.0 + 0.3) * room.rate))
+            out.barge = {"onset_t": speech[0]["onset_t"], "detected_ms": detected_ms,
+                         "output_silent_ms": last_loud_ms(heard, room.rate)}
+    # A check on the clock mapping: the first output the room heard after the question, after the service
+    # said it started speaking (the output's latency: the worker's ring and PortAudio's buffers).
+    spoke = [r["t"] for r in recs if r["event"] == "state" and r.get("state") == "speaking" and r["t"] >= q_end]
+    if spoke and q.end is not None:
+        heard = room.heard(q.end, room.now())
+        loud = np.nonzero(np.abs(heard) >= SILENT_PEAK)[0]
+        if len(loud):
+            out.heard_lag_ms = round((room.seconds(q.end + int(loud[0])) - spoke[0]) * 1000.0, 1)
+    if u is None and (room.last_loud is None or q.end is None or room.last_loud < q.end):
+        out.valid, out.note = False, "no reply was heard"
+    room.forget_before(start)
+    return out
+
+
+def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = False, drift_ppm: float = 0.0,
+        speaker: str = "linear", echo_only: int = 0, rate: int = 48000, period: int = 1024,
+        idle_s: Optional[float] = None, print_line: Callable[[str], None] = print,
+        server_name: Optional[str] = None) -> dict:
+    """Run the suite in the JACK room through the service; print a line per scenario and the summary;
+    write the summary as JSON (the simulated bench's keys for the cases run, plus ``room``, ``drift_ppm``,
+    ``speaker``, ``listening_cpu_pct``, ``speaking_cpu_pct`` and the room's own counters)."""
+    from ..speech import Tts
+
+    tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
+    cache = sim.AudioCache(cache_dir, tts)
+    question = cache.speech(sim.QUESTION[0], "joe")
+    reply_level = sim.reply_dbfs(tts)
+    cases = jack_suite(cache, quick, echo_only)
+    server = JackServer(server_name or f"appliance-room{rate // 1000}", rate, period).start()
+    work = Path(tempfile.mkdtemp(prefix="appliance-jack-room-"))
+    room = svc = meter = None
+    try:
+        room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
+                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
+        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, server.env())
+        print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods), drift "
+                   f"{drift_ppm:+g} ppm, {speaker} speaker; the service's log: {work / 'service.log'}")
+        if not svc.wait_state("listening", 300):
+            raise UserError(f"the service did not reach listening in 300 s (it is {svc.state}); see {work / 'service.log'}")
+        time.sleep(3.0)  # settle: the worker's streams and the first blocks
+        idle = idle_cpu_pct(svc.proc.pid, idle_s if idle_s is not None else (10.0 if quick else 30.0))
+        print_line(f"listening, idle: {idle} % of one core (service + audio worker)")
+        meter = CpuMeter(svc)
+        print_line(f"{len(cases)} scenarios, in real time")
+        outcomes = []
+        for c in cases:
+            o = run_case(c, room, svc, reply_level, question)
+            outcomes.append(o)
+            silent = o.barge.get("output_silent_ms") if o.barge else None
+            print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
+                       f"resumed={o.resumed} silent_ms={silent} detected_ms="
+                       f"{o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} "
+                       f"heard_after_speaking_ms={getattr(o, 'heard_lag_ms', None)}"
+                       + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
+        meter.stop()
+        summary = sim.summarise(outcomes, [])
+        lags = [o.heard_lag_ms for o in outcomes if getattr(o, "heard_lag_ms", None) is not None]
+        summary.update({
+            "heard_after_speaking_ms": {"p50": sim.pct(lags, 50), "min": min(lags, default=None),
+                                        "max": max(lags, default=None), "n": len(lags)},
+            "room": "jack", "drift_ppm": drift_ppm, "speaker": speaker,
+            "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
+            "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
+                     "drift_recentred": room.recentred},
+            "erle_db": None,
+            "not_run": ["cold_barge_in", "next_reply", "erle_db (inside the service)"],
+            "model": "tiny random-weight Gemma 4 test fixture (hears; nonsense replies spoken by Piper)",
+            "config": {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,
+                       "classifier": cfg.interruption.classifier, "user_dbfs": sim.USER_DBFS,
+                       "echo_delay_ms": sim.ECHO_DELAY_MS, "rt60_ms": sim.RT60_MS,
+                       "reply_dbfs": round(reply_level, 1), "quick": quick, "echo_only": echo_only},
+        })
+        print_line(sim.table(outcomes))
+        text = json.dumps(summary, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x))
+        print_line(text)
+        if json_path:
+            Path(json_path).write_text(text + "\n", encoding="utf-8")
+        return summary
+    finally:
+        if meter is not None:
+            meter.stop()
+        if svc is not None:
+            svc.stop()
+        if room is not None:
+            room.close()
+        server.stop()

@@ -1,0 +1,163 @@
+"""The short JACK-room run (issue 18): ``appliance run`` itself, as a subprocess, on real PortAudio
+streams at 48 kHz (so the worker's resampling path runs as on a Pi), in the JACK room of
+``appliance bench interruption --room jack``. A JACK dummy server of its own (``appliance-test-room48``)
+is started and stopped here; the shared 16 kHz test server is not touched.
+
+Real parts: the service's whole assembly and audio worker, PortAudio, Silero, Piper, the tiny random
+Gemma 4 fixture (it hears; its words are nonsense). Mocked: the sound card (a JACK dummy driver) and
+the room (a JACK client with an echo path and scripted speech).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.audio.files import load_audio
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = "appliance-test-room48"
+# Onset to silence as the room hears it. Measured here: 90 ms alone, 614 ms once in the full suite on a
+# loaded machine (a late onset). Real time on a shared machine, so as test_interruption.py does: a
+# behaviour that is broken fails all three runs; the benchmark measures the latency.
+BARGE_IN_MAX_MS = 500.0
+REALTIME = pytest.mark.flaky(reruns=2)
+
+
+def _why_skip():
+    if not shutil.which("jackd"):
+        return "jackd is not installed (apt-get install jackd2; .ci/run does)"
+    try:
+        import jack  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"the JACK-Client package is not usable ({exc})"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A 48 kHz JACK dummy server of this module's own."""
+    from appliance.bench.jack_room import JackServer
+
+    srv = JackServer(SERVER, 48000, 1024).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def running(server, tmp_path_factory):
+    """The room on the server (no echo path yet) and the service, listening."""
+    from appliance.audio.jack_room import JackRoom
+    from appliance.audio.room import synthetic_ir
+    from appliance.bench.jack_room import ServiceUnderTest, service_config
+    from appliance.config import Config
+
+    work = tmp_path_factory.mktemp("jack-room")
+    room = svc = None
+    try:
+        room = JackRoom(f"testroom{os.getpid()}", servername=server.name, impulse_response=synthetic_ir(150.0))
+        svc = ServiceUnderTest(service_config(Config(), room.name, work / "state", max_reply_tokens=48), work,
+                               server.env())
+        assert svc.wait_state("listening", 120), (work / "service.log").read_text()[-3000:]
+        yield room, svc
+    finally:
+        if svc is not None:
+            svc.stop()
+        if room is not None:
+            room.close()
+
+
+def test_the_far_end_reaches_the_capture_side_whole_at_48khz(server, monkeypatch):
+    """The audio worker at 48 kHz hands the capture side as much far end as microphone, aligned: the
+    microphone's 48 -> 16 kHz resampler gives its samples in bursts, and the far end of the blocks in
+    between used to be dropped (2/3 of it). White noise through a pure 30 ms echo path."""
+    from appliance.audio.device import DeviceAudio
+    from appliance.audio.jack_room import JackRoom
+
+    monkeypatch.setenv("JACK_DEFAULT_SERVER", server.name)
+    room = JackRoom(f"farend{os.getpid()}", servername=server.name, echo_gain_db=0.0, noise_dbfs=None)
+    rng = np.random.default_rng(5)
+    sig = (0.1 * rng.standard_normal(48000 * 8)).astype(np.float32)
+    pos = [0]
+    mic, far = [], []
+
+    def pull(n):
+        x = sig[pos[0]:pos[0] + n]
+        pos[0] += n
+        return np.pad(x, (0, n - len(x)))
+
+    dev = DeviceAudio(room.name, room.name, 10, 48000)
+    dev.start(pull, lambda m, f: (mic.append(m.copy()), far.append(f.copy())))
+    try:
+        assert dev.wait_open(20)
+        time.sleep(5.0)
+    finally:
+        dev.stop()
+        room.close()
+    m, f = np.concatenate(mic), np.concatenate(far)
+    assert len(m) > 16000 * 3
+    assert abs(len(f) - len(m)) <= 1600, (len(f), len(m))  # within 100 ms (the first blocks have no far end)
+    s = len(m) - 16000  # the canceller pairs the two streams sample by sample from their starts
+    a = m[s:s + 8000]
+    b = f[s - 3200:s + 8000]  # the far end up to 200 ms earlier
+    c = np.correlate(b, a, mode="valid")  # c[k]: a against b[k:], i.e. the echo 3200 - k samples late
+    k = int(np.argmax(np.abs(c)))
+    lag_ms = (3200 - k) / 16.0
+    corr = float(c[k] / np.sqrt(np.dot(a, a) * np.dot(b[k:k + len(a)], b[k:k + len(a)])))
+    assert corr > 0.5 and 30.0 <= lag_ms <= 200.0, (corr, lag_ms)
+
+
+def _case(kind, label, audio, text, delay=0.6, echo_rel_db=0.0, echo_path=False):
+    from appliance.bench.interruption import Case
+
+    return Case(kind, label, audio, text, delay, echo_rel_db, echo_path=echo_path)
+
+
+def _run(room, svc, case):
+    from appliance.bench.jack_room import run_case
+
+    question = load_audio(ROOT / "demo" / "question.wav")
+    return run_case(case, room, svc, reply_level=-19.0, question=question, timeout_s=30.0)
+
+
+@REALTIME
+def test_barge_in_through_the_service_on_real_streams(running):
+    """No echo path (headphones): the reply plays through the worker's 48 kHz streams, the user's "Wait,
+    stop." silences it within the bound as the room hears it, and the reply is dropped."""
+    room, svc = running
+    wait = load_audio(ROOT / "demo" / "wait.wav")
+    for attempt in range(4):
+        out = _run(room, svc, _case("short_stop", "Wait, stop.", wait, "Wait, stop."))
+        # The random model's reply can be too short to talk over, or between two words at the onset (then
+        # there is nothing to silence: the bench counts 0 ms); neither tests the path, so try again.
+        if out.valid and out.barge is not None:
+            onset = room.frame0 + int(out.barge["onset_t"] * room.rate)
+            if np.max(np.abs(room.heard(onset - room.rate // 10, onset))) >= 10 ** (-50 / 20):
+                break
+    assert out.valid, out.note
+    assert out.barge is not None, [r["event"] for r in out.records]
+    assert 0.0 < out.barge["output_silent_ms"] <= BARGE_IN_MAX_MS, out.barge
+    assert out.flushed, [r["event"] for r in out.records]
+
+
+@REALTIME
+def test_no_pause_when_nobody_talks(running):
+    """The whole reply to one question, nobody talking over it and no echo path: the appliance must not
+    pause on its own (the microphone's noise floor alone comes back). With the room's echo it does not
+    hold yet (issue 18 item 3: measured here, 0 of 5 replies paused at 0 dB but 4 of 5 at +6 dB), too
+    randomly for a test: ``appliance bench interruption --room jack --echo-only N`` counts it."""
+    room, svc = running
+    out = _run(room, svc, _case("echo_only", "nobody talks", None, None))
+    assert out.valid, out.note
+    assert any(r["event"] == "turn_end" for r in out.records)
+    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]
