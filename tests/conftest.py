@@ -41,6 +41,22 @@ def question_audio():
     return load_audio(DEMO / "question.wav")
 
 
+def tiny_gemma4_config():
+    """A config for the tiny random-weight Gemma 4 fixture (it hears 16 kHz audio) in a small cache, with
+    Piper's bundled voice and Silero: the tests' model that hears, on real parts."""
+    from appliance.config import Config
+
+    fix = Path(__file__).parent / "fixtures" / "tiny_gemma4"
+    cfg = Config()
+    cfg.model.gguf = str(fix / "tiny-gemma4.gguf")
+    cfg.model.mmproj = str(fix / "tiny-gemma4-mmproj.gguf")
+    cfg.model.n_ctx = 1024
+    cfg.model.n_threads = 2
+    cfg.model.max_reply_tokens = 12
+    cfg.model.history_budget_tokens = 700
+    return cfg
+
+
 def tone(seconds: float, freq: float = 440.0, level_dbfs: float = -20.0, rate: int = 16000) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
     return (10 ** (level_dbfs / 20) * np.sqrt(2) * np.sin(2 * np.pi * freq * t)).astype(np.float32)

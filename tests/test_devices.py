@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jack_dummy as jd
+from conftest import tiny_gemma4_config
 from appliance.audio.device import DeviceAudio, DeviceNotFound, match_device
 from appliance.audio.files import dbfs
 
@@ -200,16 +201,9 @@ def test_missing_device_names_found_devices_and_keeps_retrying():
 @pytest.fixture(scope="module")
 def hearing_parts():
     """Tiny Gemma 4 (random weights, hears 16 kHz audio), Piper's bundled voice, Silero VAD."""
-    from appliance.config import Config
     from appliance.pipeline import Parts
 
-    cfg = Config()
-    cfg.model.gguf = str(FIX / "tiny-gemma4.gguf")
-    cfg.model.mmproj = str(FIX / "tiny-gemma4-mmproj.gguf")
-    cfg.model.n_ctx = 1024
-    cfg.model.n_threads = 2
-    cfg.model.max_reply_tokens = 12
-    cfg.model.history_budget_tokens = 700
+    cfg = tiny_gemma4_config()
     cfg.gpio.enabled = False
     return cfg, Parts.load(cfg)
 

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 import jack_dummy as jd
+from conftest import tiny_gemma4_config
 from appliance.audio.files import MODEL_RATE
 
 FIX = Path(__file__).parent / "fixtures" / "tiny_gemma4"
@@ -25,17 +26,9 @@ needs_jack = pytest.mark.skipif(jd.why_skip() is not None, reason=str(jd.why_ski
 
 @pytest.fixture(scope="module")
 def hearing_parts():
-    from appliance.config import Config
     from appliance.pipeline import Parts
 
-    cfg = Config()
-    cfg.model.gguf = str(FIX / "tiny-gemma4.gguf")
-    cfg.model.mmproj = str(FIX / "tiny-gemma4-mmproj.gguf")
-    cfg.model.n_ctx = 1024
-    cfg.model.n_threads = 2
-    cfg.model.max_reply_tokens = 12
-    cfg.model.history_budget_tokens = 700
-    return Parts.load(cfg)
+    return Parts.load(tiny_gemma4_config())
 
 
 @pytest.fixture

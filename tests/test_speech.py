@@ -21,9 +21,9 @@ def split_all(pieces, **kw):
 def test_splits_sentences_as_tokens_arrive():
     s = SentenceSplitter()
     assert s.feed("Yes. A rainbow is light") == ["Yes."]  # the first piece: its first clause
-    assert s.feed(" bent by rain,") == []  # later pieces are sentences: a comma does not cut them
-    assert s.feed(" mostly.") == []  # needs the next character to know the sentence ended
-    assert s.feed(" It") == ["A rainbow is light bent by rain, mostly."]
+    assert s.feed(" bent by rain,") == []  # later pieces are clauses: the comma needs the next character
+    assert s.feed(" mostly.") == ["A rainbow is light bent by rain,"]  # 24 characters or more: cut there
+    assert s.feed(" It") == ["mostly."]  # a short clause ends only at the sentence's end
     assert s.flush() == ["It"]
 
 

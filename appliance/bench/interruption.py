@@ -483,7 +483,13 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     by = lambda k: [o for o in outcomes if o.case.kind == k and o.valid]  # noqa: E731
     barge = by("barge_in")
     def silent_ms(os_: list[Outcome]) -> list[float]:
-        return [o.barge["output_silent_ms"] for o in os_ if o.barge and o.barge.get("output_silent_ms") is not None]
+        """Barge-in latencies, ms; a user's onset in a gap of the reply (the output silent from the onset until
+        after the pause took hold: :func:`audible_until_ms` gives 0) says nothing about latency and is
+        counted apart (``barge_in_in_reply_gap``), not averaged in as 0 ms."""
+        return [o.barge["output_silent_ms"] for o in os_ if o.barge and o.barge.get("output_silent_ms")]
+
+    def in_gap(os_: list[Outcome]) -> int:
+        return sum(1 for o in os_ if o.barge and o.barge.get("output_silent_ms") == 0.0)
 
     def paused(os_: list[Outcome]) -> dict:
         return {"count": sum(1 for o in os_ if o.interrupted), "n": len(os_)}
@@ -509,6 +515,7 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     return {
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
+        "barge_in_in_reply_gap": {"count": in_gap(barge + by("short_stop")), "cold": in_gap(cold_barge)},
         "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
         # what the cold start costs: the first reply's audio served by the stand-in, and a barge-in on it
         "cold_start": {"stand_in_ms": {"p50": pct(stand_in, 50), "max": max(stand_in, default=None),
