@@ -48,9 +48,11 @@ def test_empty_scenario(tmp_path):
 
 def test_scenario_with_missing_audio(tmp_path):
     sc = tmp_path / "s.yaml"
-    sc.write_text("events:\n  - at: 0.5\n    say: nowhere.wav\n    text: hi\n")
+    sc.write_text("events:\n  - at: 0.5\n    say: q.wav\n  - at: 3.0\n    say: nowhere.wav\n    text: hi\n")
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
     r = appliance("replay", str(sc), "--out", str(tmp_path / "o"), "--embedded")
-    one_line_error(r, f"{sc}: event 1: ", "nowhere.wav", "not found")  # the scenario, the event, the file
+    # the scenario, the line and number of the event, the file
+    one_line_error(r, f"{sc}: line 4: event 2: ", "nowhere.wav", "not found")
 
 
 def test_text_only_model_needs_transcripts(tmp_path):

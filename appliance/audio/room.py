@@ -130,6 +130,19 @@ def _number(value, what: str, low: float, high: float, unit: str) -> float:
     return x
 
 
+def _item_lines(node, key: str) -> list[int]:
+    """1-based line of each item of the top-level list ``key`` in a composed YAML mapping node ([] when the
+    node is not a mapping or ``key`` not a list), so that an error can name the line of the event it is about."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    for key_node, value_node in node.value:
+        if key_node.value == key and isinstance(value_node, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in value_node.value]
+    return []
+
+
 @dataclass
 class Scenario:
     events: list[ScriptedUtterance]
@@ -175,8 +188,9 @@ class Scenario:
             raise UserError(f"{path}: `events` must be a list of entries with `at:` or `after:` and `say:`")
         base = path.parent
         events = []
+        lines = _item_lines(node, "events")
         for i, ev in enumerate(data["events"], 1):
-            where = f"{path}: event {i}"
+            where = f"{path}: line {lines[i - 1]}: event {i}" if i <= len(lines) else f"{path}: event {i}"
             if not isinstance(ev, dict):
                 raise UserError(f"{where}: must be a mapping with `say:` and `at:` or `after:`")
             extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db", "speech"}
