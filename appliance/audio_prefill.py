@@ -238,12 +238,15 @@ class StreamedAudioTurn:
 
     def matches(self, pcm: np.ndarray) -> bool:
         """True if ``pcm`` (the turn's final audio) begins with the audio decoded so far: the same samples
-        up to the end of the last decoded token and its held-back right context. If not (another clip: an
+        up to the end of the last decoded token and its held-back right context (none after a final feed). If not (another clip: an
         interjection joined to what followed it), the turn must be rolled back and encoded whole."""
         if self._fed is None or self.done == 0:
             return True
-        n = min(len(self._fed), (self.done + LOOKAHEAD_TOKENS) * SAMPLES_PER_TOKEN)
-        return len(pcm) >= self.done * SAMPLES_PER_TOKEN and np.array_equal(pcm[:n], self._fed[:n])
+        # The samples the decoded tokens were encoded from: up to the held-back token's end (a final feed:
+        # its last token's), never the last feed's part of a token, which the encoder did not see.
+        ahead = 0 if self._whole is not None else LOOKAHEAD_TOKENS
+        n = min(len(self._fed) // SAMPLES_PER_TOKEN, self.done + ahead) * SAMPLES_PER_TOKEN
+        return len(pcm) >= max(n, self.done * SAMPLES_PER_TOKEN) and np.array_equal(pcm[:n], self._fed[:n])
 
     def _decode_audio(self, pcm: np.ndarray, upto: int) -> None:
         """Encode the window that ends at token ``available`` and decode tokens ``[done, upto)``."""
