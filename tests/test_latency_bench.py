@@ -3,6 +3,7 @@ pipeline in the simulated room (listener → engine worker → engine, on the ti
 
 import json
 
+import llama_cpp
 import pytest
 
 from appliance.bench import latency
@@ -94,3 +95,17 @@ def test_the_projection_models_the_final_pause_feed_and_the_decode_floor():
     one = 0.5 + 0.2 * 25 * 0.04 + 24 / 32  # the first window ends here
     second = 0.2 * (30 - 12) * 0.04 + max(5 / 32, 1 / 6.4)  # then 0.55 and 0.6 as one window
     assert merged["backlog"] == ms(one + second - 0.7)
+
+
+def test_the_pi_figures_are_measured_with_the_engine_and_leave_its_cache_alone(parts):
+    """measure_pi_figures (what hw-tests measures on the Pi with E2B) on the tiny Gemma 4 and Piper here:
+    every figure the projection takes, positive, and the engine's cache as it was."""
+    tiny = Engine(latency.FIXTURE / "tiny-gemma4.gguf", latency.FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=2048,
+                  n_threads=1, max_reply_tokens=6, temperature=0.0, kv_cache_type="f16", system_prompt="Be brief.")
+    before = tiny.n_past
+    figures = latency.measure_pi_figures(tiny, parts.tts, repeats=1)
+    assert set(latency.PI5) <= set(figures)
+    assert all(figures[k] > 0 for k in ("encoder_s_per_audio_s", "prefill_tok_s", "gen_tok_s", "piper_first_piece_s"))
+    assert tiny.n_past == before
+    mem = llama_cpp.llama_get_memory(tiny.llm.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == before - 1

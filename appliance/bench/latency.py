@@ -398,6 +398,72 @@ def streamed_vs_whole(questions: list[np.ndarray], left_context_s: float, step_s
     return ({k: chosen[k] for k in ("embd_cosine_min", "logits_max_abs_diff", "left_context_ms")}, rows)
 
 
+def measure_pi_figures(engine, tts, left_context_s: float = 0.48, step_s: float = 0.5, repeats: int = 3) -> dict:
+    """The figures :data:`PI5` assumes, measured on this machine with ``engine`` (a model that hears) and
+    ``tts`` (Piper), in :data:`PI5`'s keys, so that :func:`offline_eot` can project with them (``pi=``):
+
+    - ``encoder_s_per_audio_s``: one streamed window (``left_context_s`` + ``step_s`` + 40 ms of noise-like
+      audio) through the projector's encoder, s per audio s (median of ``repeats``);
+    - ``prefill_tok_s``: a window's new audio embeddings (``step_s`` × 25) decoded in one batch, tokens/s;
+    - ``gen_tok_s``: single-token decodes, tokens/s;
+    - ``piper_first_piece_s``: Piper's time to the first audio of a three-word piece.
+
+    Also ``tail_6_tokens_s`` (six template tokens in one batch: the end of a turn's pre-fill). The cache is
+    left as it was (what is decoded here is rolled back). Runs on the caller's thread: use it while the
+    appliance is not running.
+    """
+    import time
+
+    from ..audio_prefill import SAMPLES_PER_TOKEN, AudioEncoder, decode_embeddings, decode_tokens
+
+    def median_time(fn) -> float:
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    engine.drop_streamed_audio()
+    llm, pos = engine.llm, engine.n_past
+    rng = np.random.default_rng(0)
+    window_s = left_context_s + step_s + 0.04
+    pcm = (rng.standard_normal(int(window_s * MODEL_RATE)) * 0.05).astype(np.float32)
+    pcm = pcm[: len(pcm) // SAMPLES_PER_TOKEN * SAMPLES_PER_TOKEN]
+    encoder = AudioEncoder(engine.audio)
+    embd = encoder.encode(pcm)
+    enc_s = median_time(lambda: encoder.encode(pcm))
+    new = embd[: int(round(step_s * 25))]
+
+    def rollback() -> None:
+        llm._ctx.kv_cache_seq_rm(0, pos, -1)
+        llm.n_tokens = pos
+
+    def prefill() -> None:
+        decode_embeddings(llm, new, pos)
+        rollback()
+
+    tokens = llm.tokenize(b"the the the the the the", add_bos=False, special=False)[:6]
+
+    def tail() -> None:
+        decode_tokens(llm, tokens, pos)
+        rollback()
+
+    def one() -> None:
+        decode_tokens(llm, tokens[:1], pos)
+        rollback()
+
+    try:
+        pre_s, tail_s, gen_s = median_time(prefill), median_time(tail), median_time(one)
+    finally:
+        rollback()
+    piper = median_time(lambda: next(iter(tts.synthesize("Paris, of course."))))
+    return {"encoder_s_per_audio_s": round(enc_s / (len(pcm) / MODEL_RATE), 4),
+            "prefill_tok_s": round(len(new) / pre_s, 2), "gen_tok_s": round(1.0 / gen_s, 2),
+            "piper_first_piece_s": round(piper, 3), "tail_6_tokens_s": round(tail_s, 4),
+            "audio_tok_s": 25.0, "after_tokens": PI5["after_tokens"], "opening_tokens": PI5["opening_tokens"]}
+
+
 def pct(xs: list, q: float) -> Optional[float]:
     return round(float(np.percentile(xs, q)), 1) if xs else None
 
