@@ -238,8 +238,9 @@ class StreamedAudioTurn:
 
     def matches(self, pcm: np.ndarray) -> bool:
         """True if ``pcm`` (the turn's final audio) begins with the audio decoded so far: the same samples
-        up to the end of the last decoded token and its held-back right context (none after a final feed). If not (another clip: an
-        interjection joined to what followed it), the turn must be rolled back and encoded whole."""
+        up to the end of the last decoded token and its held-back right context (none after a final feed).
+        If not (another clip: an interjection joined to what followed it), the turn must be rolled back and
+        encoded whole."""
         if self._fed is None or self.done == 0:
             return True
         # The samples the decoded tokens were encoded from: up to the held-back token's end (a final feed:
