@@ -42,9 +42,14 @@ def test_the_bench_writes_the_issues_keys_with_sane_values(parts, embedded_cfg, 
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_question_in_the_room_is_pre_filled_while_it_is_spoken(parts, embedded_cfg, cache, stream):
+def test_a_question_in_the_room_is_pre_filled_while_it_is_spoken(parts, embedded_cfg, cache, stream, monkeypatch):
     """The product's path: a hearing model (the tiny Gemma 4) answers in the room; with streaming on, its
-    turn was pre-filled while the question was spoken and only a few audio tokens were left at its end."""
+    turn was pre-filled while the question was spoken and only a few audio tokens were left at its end.
+    The turn's date line is pinned: ``stream_prepared`` failed once in a full run, streamed but opened by the
+    first feed, which is what happens (rightly) when the minute turns between the idle engine's prepared
+    opening and that feed (the likely cause; not reproduced)."""
+    monkeypatch.setattr("appliance.assistant.turn_context_source",
+                        lambda cfg, clock=None: (lambda: "[Tuesday, December 1, 2026, 11:50 AM]"))
     tiny = Engine(latency.FIXTURE / "tiny-gemma4.gguf", latency.FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=2048,
                   n_threads=1, max_reply_tokens=6, temperature=0.0, kv_cache_type="f16", system_prompt="Be brief.",
                   stream_prefill=stream)
