@@ -18,6 +18,12 @@ Why the pieces equal the whole clip's embeddings (Gemma 4's ``gemma4a`` encoder,
   when the left context covers the receptive field.
 - The last token of a window lacks the frames after it (the front end's convolutions), so it is held
   back (``LOOKAHEAD_TOKENS``) until the next window, or the end of the turn, supplies them.
+- Except at a pause (``feed(..., final=True)``): the listener feeds the utterance as an end of turn now
+  would hold it, so the turn's clip is usually that very audio, and its last token, encoded at the end of
+  the window, is what the whole clip gives it. It is decoded too; if more audio follows, only that one
+  token is rolled back and decoded again with the next window. A turn that ends with the clip of its last
+  pause has no audio left to encode: on a Pi 5 that saves a window of left context at the end of the turn
+  (0.2 s/audio s × 0.52 s ≈ 0.1 s, *projected*; docs/latency.md).
 
 Measured here on the tiny Gemma 4 fixture (1 conformer layer), windows of 0.48 s and 1 s: with 1 token held
 back and 24 tokens (0.96 s) or more of left context, streamed embeddings equal the whole clip's exactly;
@@ -218,6 +224,8 @@ class StreamedAudioTurn:
         self.windows = 0  # encoder calls
         self.encode_s = self.decode_s = 0.0  # wall time in the encoder and in llama_decode, s
         self._fed: Optional[np.ndarray] = None  # the audio of the last feed (its decoded part must not change)
+        self._whole: Optional[int] = None  # tokens of the last feed if it was final (its last token has no lookahead)
+        self.redone = 0  # final tokens rolled back because more audio followed
         self.prepared = False  # opened before the user spoke (Engine.prepare_turn)
         self.llm._ctx.kv_cache_seq_rm(seq_id, self.start, -1)
         self.pos = decode_tokens(self.llm, before, self.start, seq_id)
@@ -230,12 +238,16 @@ class StreamedAudioTurn:
 
     def matches(self, pcm: np.ndarray) -> bool:
         """True if ``pcm`` (the turn's final audio) begins with the audio decoded so far: the same samples
-        up to the end of the last decoded token and its held-back right context. If not (another clip: an
-        interjection joined to what followed it), the turn must be rolled back and encoded whole."""
+        up to the end of the last decoded token and its held-back right context (none after a final feed).
+        If not (another clip: an interjection joined to what followed it), the turn must be rolled back and
+        encoded whole."""
         if self._fed is None or self.done == 0:
             return True
-        n = min(len(self._fed), (self.done + LOOKAHEAD_TOKENS) * SAMPLES_PER_TOKEN)
-        return len(pcm) >= self.done * SAMPLES_PER_TOKEN and np.array_equal(pcm[:n], self._fed[:n])
+        # The samples the decoded tokens were encoded from: up to the held-back token's end (a final feed:
+        # its last token's), never the last feed's part of a token, which the encoder did not see.
+        ahead = 0 if self._whole is not None else LOOKAHEAD_TOKENS
+        n = min(len(self._fed) // SAMPLES_PER_TOKEN, self.done + ahead) * SAMPLES_PER_TOKEN
+        return len(pcm) >= max(n, self.done * SAMPLES_PER_TOKEN) and np.array_equal(pcm[:n], self._fed[:n])
 
     def _decode_audio(self, pcm: np.ndarray, upto: int) -> None:
         """Encode the window that ends at token ``available`` and decode tokens ``[done, upto)``."""
@@ -258,22 +270,46 @@ class StreamedAudioTurn:
             self.llm.n_tokens = self.pos
         self.done = upto
 
-    def feed(self, pcm: np.ndarray) -> int:
+    def _truncate(self, keep: int) -> None:
+        """Roll the audio tokens from ``keep`` on out of the cache."""
+        self.llm._ctx.kv_cache_seq_rm(self.seq_id, self._audio_start + keep, -1)
+        self.done, self.pos = keep, self._audio_start + keep
+        if self.seq_id == 0:
+            self.llm.n_tokens = self.pos
+
+    def feed(self, pcm: np.ndarray, final: bool = False) -> int:
         """Decode the audio tokens of ``pcm`` (float32 [n], all the turn's audio so far, 16 kHz) that are
-        final: all but the last ``LOOKAHEAD_TOKENS`` of its whole 40 ms tokens. Returns the tokens decoded
-        so far.
+        final: all but the last ``LOOKAHEAD_TOKENS`` of its whole 40 ms tokens, or all of them with
+        ``final`` (the utterance pauses here: ``pcm`` is what an end of turn now would hold). A final feed's
+        last token is rolled back and decoded again when a later feed brings more audio. Returns the
+        tokens decoded so far.
 
         :raises RuntimeError: the encoder or ``llama_decode`` failed (roll the turn back).
         """
         available = len(pcm) // SAMPLES_PER_TOKEN
-        if available - LOOKAHEAD_TOKENS > self.done:
+        upto = available if final else available - LOOKAHEAD_TOKENS
+        if upto > self.done or (final and self._whole is not None and available != self._whole):
+            if self._whole is not None and self.done >= self._whole:  # its last token lacked what follows
+                self._truncate(min(self.done, self._whole - 1))
+                self.redone += 1
+            self._whole = None
             self._fed = pcm
-            self._decode_audio(pcm, available - LOOKAHEAD_TOKENS)
+            self._decode_audio(pcm, upto)
+            if final and self.done == available:
+                self._whole = available
         return self.done
 
     def pending_tokens(self, pcm: np.ndarray) -> int:
         """Audio tokens of ``pcm`` that :meth:`finish` would still decode (the end of turn's share)."""
-        return len(pcm) // SAMPLES_PER_TOKEN - min(self.done, max(0, len(pcm) // SAMPLES_PER_TOKEN - LOOKAHEAD_TOKENS))
+        return len(pcm) // SAMPLES_PER_TOKEN - self._keep(len(pcm) // SAMPLES_PER_TOKEN)
+
+    def _keep(self, available: int) -> int:
+        """Audio tokens already decoded that a turn of ``available`` tokens keeps: all of them if its clip
+        is the last final feed's, else not the held-back or final token."""
+        if self._whole is not None and available == self._whole:
+            return self.done
+        keep = min(self.done, max(0, available - LOOKAHEAD_TOKENS))
+        return min(keep, self._whole - 1) if self._whole is not None else keep
 
     def finish(self, pcm: np.ndarray) -> tuple[int, int]:
         """The end of the turn: decode the remaining audio tokens of ``pcm`` (the whole turn's audio, which
@@ -286,12 +322,10 @@ class StreamedAudioTurn:
         :raises RuntimeError: the encoder or ``llama_decode`` failed (roll the turn back).
         """
         available = len(pcm) // SAMPLES_PER_TOKEN
-        keep = min(self.done, max(0, available - LOOKAHEAD_TOKENS))
+        keep = self._keep(available)  # all of it when the clip is the last final feed's
         if keep < self.done:
-            self.llm._ctx.kv_cache_seq_rm(self.seq_id, self._audio_start + keep, -1)
-            self.done, self.pos = keep, self._audio_start + keep
-            if self.seq_id == 0:
-                self.llm.n_tokens = self.pos
+            self._truncate(keep)
+        self._whole = None
         left = available - self.done
         self._decode_audio(pcm, available)
         self.pos = decode_tokens(self.llm, self._after, self.pos, self.seq_id)
@@ -305,4 +339,4 @@ class StreamedAudioTurn:
         self.llm._ctx.kv_cache_seq_rm(self.seq_id, self.start, -1)
         if self.seq_id == 0:
             self.llm.n_tokens = self.start
-        self.pos, self.done = self.start, 0
+        self.pos, self.done, self._whole = self.start, 0, None

@@ -68,6 +68,7 @@ class ModelConfig(_Section):
     stream_prefill: bool = True
     stream_step_ms: int = Field(500, ge=100, le=5000)  # new speech per streamed window (and one at each pause)
     stream_left_context_ms: int = Field(480, ge=0, le=30000)  # audio re-encoded before each window's new tokens
+    stream_final_at_pause: bool = True  # a feed at a pause decodes its last token too (none left at the turn's end)
     # Kept for existing configs: when set, it replaces assistant.system_prompt.
     system_prompt: Optional[str] = None
 

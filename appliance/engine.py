@@ -266,6 +266,9 @@ class Engine:
         turn's clip is encoded whole after the turn (for comparison).
     :param stream_left_context_s: audio re-encoded before each streamed window's new tokens, s (default
         :data:`appliance.audio_prefill.LEFT_CONTEXT_S`).
+    :param stream_final_at_pause: a feed made at a pause (:meth:`stream_audio` with ``at_pause``) decodes
+        its last audio token too, so a turn that ends there has no audio left to encode; False: it is held
+        back like every window's last token.
     :raises UserError: a missing or unloadable model file (one line naming the file).
     """
 
@@ -274,7 +277,8 @@ class Engine:
                  system_prompt: str = "", max_reply_tokens: int = 160, temperature: float = 0.7,
                  top_p: float = 0.95, seed: int = 0, history_budget_tokens: int = 2048,
                  examples: Optional[list[tuple[str, str]]] = None, store=None, one_sentence: bool = False,
-                 stream_prefill: bool = True, stream_left_context_s: Optional[float] = None):
+                 stream_prefill: bool = True, stream_left_context_s: Optional[float] = None,
+                 stream_final_at_pause: bool = True):
         import llama_cpp
 
         if "callback" not in _llama_log_state:
@@ -316,6 +320,7 @@ class Engine:
         from .audio_prefill import LEFT_CONTEXT_S
 
         self.stream_left_context_s = LEFT_CONTEXT_S if stream_left_context_s is None else float(stream_left_context_s)
+        self.stream_final_at_pause = bool(stream_final_at_pause)
         self._stream = None  # the StreamedAudioTurn being pre-filled while the user speaks
         self._stream_context = ""
         self._stream_failed = False  # a feed of this utterance failed: the turn is encoded whole
@@ -452,7 +457,7 @@ class Engine:
             self._reply_start = self.n_past
         return self._generate(t0)
 
-    def stream_audio(self, pcm: np.ndarray, context: str = "") -> int:
+    def stream_audio(self, pcm: np.ndarray, context: str = "", at_pause: bool = False) -> int:
         """Pre-fill the user's speech so far while they are still talking (streamed pre-fill).
 
         The first call opens the user's turn in the active sequence (its opening text, ``context`` and
@@ -465,6 +470,9 @@ class Engine:
         :param pcm: float32 [n] mono 16 kHz: all of the utterance so far, from its first sample (the same
             samples each call, growing).
         :param context: the turn's opening line (the local date and time), read when the turn opens.
+        :param at_pause: the user pauses here and ``pcm`` is the utterance as an end of turn now would hold
+            it: with ``stream_final_at_pause``, its last token is decoded too (rolled back and decoded
+            again if more audio follows).
         :returns: audio tokens pre-filled so far; 0 when nothing is streamed (the model cannot hear,
             ``stream_prefill`` is off, a reply is still open, or a feed of this utterance failed: then the
             turn is encoded whole, as before).
@@ -482,7 +490,7 @@ class Engine:
                     self._open_stream(context)
                     self._stream.prepared = False
                 self._room(ACTIVE, self.n_past, max(0, len(pcm) // SAMPLES_PER_TOKEN - self._stream.done))
-                return self._stream.feed(pcm)
+                return self._stream.feed(pcm, final=at_pause and self.stream_final_at_pause)
             except (CacheFull, RuntimeError) as exc:
                 log.warning("streamed pre-fill given up for this utterance (%s); it will be encoded whole", exc)
                 self._drop_stream()
@@ -966,11 +974,11 @@ class EngineWorker:
     def submit_turn(self, reply_id: int, audio: Optional[np.ndarray], transcript: Optional[str]) -> None:
         self._q.put(("turn", reply_id, audio, transcript))
 
-    def stream_audio(self, pcm: np.ndarray) -> None:
+    def stream_audio(self, pcm: np.ndarray, at_pause: bool = False) -> None:
         """The user's utterance so far (float32 [n] mono 16 kHz, from its first sample), to pre-fill on the
-        engine's thread (:meth:`Engine.stream_audio`). Never blocks: calls that arrive while the engine is
-        busy are merged, and only the newest audio is fed."""
-        self._stream_pcm = pcm
+        engine's thread (:meth:`Engine.stream_audio`; ``at_pause``: fed at a pause). Never blocks: calls
+        that arrive while the engine is busy are merged, and only the newest audio is fed."""
+        self._stream_pcm = (pcm, at_pause)
         if not self._stream_queued:
             self._stream_queued = True
             self._q.put(("stream", None, None, None))
@@ -1033,9 +1041,9 @@ class EngineWorker:
                     self._turn(a, b, c)
                 elif kind == "stream":
                     self._stream_queued = False
-                    pcm, self._stream_pcm = self._stream_pcm, None
-                    if pcm is not None:
-                        self.engine.stream_audio(pcm, self.context() if self.context else "")
+                    fed, self._stream_pcm = self._stream_pcm, None
+                    if fed is not None:
+                        self.engine.stream_audio(fed[0], self.context() if self.context else "", at_pause=fed[1])
                 elif kind == "commit":
                     self.engine.commit_spoken(b, complete=c)
                     if self._q.empty():

@@ -108,7 +108,7 @@ class Listener:
         self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
         self._muted = muted
         self._interjecting = interjecting
-        self.stream = None  # the streamed pre-fill's feed (``stream(utterance so far)``), see configure()
+        self.stream = None  # the streamed pre-fill's feed (``stream(utterance so far, at_pause)``), see configure()
         self.stream_step = 8000  # feed every this many new samples of confirmed speech, and at each pause
         self._fed = 0
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -146,7 +146,9 @@ class Listener:
             path is new and the canceller starts cold; it is bound to the VAD's onset gate.
         :param stream: the streamed pre-fill's feed, called on this thread with the confirmed utterance so far
             (:meth:`VadSegmenter.utterance_audio`, float32 mono 16 kHz) every ``stream_step_ms`` of it and once
-            at each pause of 96 ms (so little is left when the turn ends), or None for none.
+            at each pause of 96 ms (so little is left when the turn ends), as ``stream(pcm, at_pause)``
+            (``at_pause``: the user has been silent 96 ms, so ``pcm`` is what an end of turn now would hold),
+            or None for none.
         :param stream_step_ms: the feed's step, ms of confirmed speech.
         """
         def apply() -> None:
@@ -239,9 +241,10 @@ class Listener:
             self._fed = 0
             return
         n = seg.utterance_samples()
-        if n - self._fed >= self.stream_step or (n > self._fed and seg.silence_ms >= 96):
+        pause = seg.silence_ms >= 96
+        if n - self._fed >= self.stream_step or (n > self._fed and pause):
             self._fed = n
-            self.stream(seg.utterance_audio())
+            self.stream(seg.utterance_audio(), pause)
 
 
 class TtsWorker:
@@ -381,7 +384,8 @@ class Parts:
                         seed=m.seed, history_budget_tokens=m.history_budget_tokens,
                         examples=EMBEDDED_EXAMPLES if embedded else None, store=store,
                         one_sentence=embedded,  # the embedded base model: one sentence, no stray tail
-                        stream_prefill=m.stream_prefill, stream_left_context_s=m.stream_left_context_ms / 1000.0)
+                        stream_prefill=m.stream_prefill, stream_left_context_s=m.stream_left_context_ms / 1000.0,
+                        stream_final_at_pause=m.stream_final_at_pause)
         tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
         return cls(engine, tts, SileroVad(), load_end_of_turn(cfg))
 

@@ -111,11 +111,11 @@ class Session:
         feed = self._stream_audio if engine.hears_audio and engine.stream_prefill else None
         return {"stream": feed, "stream_step_ms": model_section.stream_step_ms}
 
-    def _stream_audio(self, pcm) -> None:
+    def _stream_audio(self, pcm, at_pause: bool = False) -> None:
         """The listener's feed (its thread): the utterance so far (float32 mono 16 kHz) to the engine, only
         while listening (not over a reply; the conversation's state, read, not copied)."""
         if self.conversation.state is State.LISTENING:
-            self.engine_worker.stream_audio(pcm)
+            self.engine_worker.stream_audio(pcm, at_pause)
 
     def _end_of_turn(self, cfg: Config):
         use = cfg.vad.end_of_turn == "smart_turn" and self.parts.eot is not None

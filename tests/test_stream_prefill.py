@@ -13,7 +13,8 @@ import pytest
 import llama_cpp
 
 from appliance.audio.files import load_audio
-from appliance.engine import Engine, EngineWorker
+from appliance.audio_prefill import template_around_audio
+from appliance.engine import AUDIO_MARKER, Engine, EngineWorker, _opened
 
 from conftest import DEMO
 
@@ -163,3 +164,60 @@ def test_streamed_turns_in_a_small_cache_make_room_and_lose_no_turn(speech):
             pass
     assert streamed >= 20 and e.decode_failures == 0 and e.rebuilds
     assert [m.role for m in e.history] == ["user", "model"] * (len(e.history) // 2)
+
+
+@pytest.mark.parametrize("final_at_pause", [True, False])
+def test_a_turn_that_ends_at_its_pause_feed_has_no_audio_left(speech, final_at_pause):
+    """``model.stream_final_at_pause``: the listener's feed at a pause is the clip an end of turn there holds;
+    its last token is decoded too, so the turn that ends there only decodes the template, and still agrees
+    with the whole clip. Switched off, the held-back token is left for the end of the turn."""
+    # What the segmenter hands over is what was fed at the pause, its part of a token included (the engine
+    # cuts it from the turn's clip; the encoder never saw it in the feed either).
+    clip = speech[: 40 * 640 + 384]
+    whole_e = tiny(stream_prefill=False)
+    e = tiny(stream_left_context_s=0.96, stream_final_at_pause=final_at_pause)
+    for n in range(8000, len(clip), 8000):
+        e.stream_audio(clip[:n], CONTEXT)
+    e.stream_audio(clip, CONTEXT, at_pause=True)
+    ids, logits, text, last = _one_turn(e, clip)
+    w_ids, w_logits, w_text, _ = _one_turn(whole_e, clip)
+    assert last.streamed and ids == w_ids and text == w_text
+    assert last.audio_tokens_left == (0 if final_at_pause else 1)
+    after = template_around_audio(e.audio, e.fmt.user_turn(_opened(CONTEXT, AUDIO_MARKER)))[1]
+    assert last.tail_tokens == len(after) + last.audio_tokens_left  # the template, and the held-back token if off
+    assert float(np.max(np.abs(logits - w_logits))) < 5e-3 * float(np.max(np.abs(w_logits)))
+
+
+def test_speech_after_a_pause_feed_redoes_only_its_last_token(speech, monkeypatch):
+    """The user goes on after a pause: the final token of the pause feed is rolled back and decoded again
+    with the audio after it, so every audio position ends up with the whole clip's embedding (0.96 s is the
+    exact left context on the fixture; the pause feed's last token, encoded at the end of its window,
+    differs) and the turn agrees with the whole clip."""
+    import appliance.audio_prefill as ap
+
+    decoded = {}  # position -> the last embedding decoded there
+    real = ap.decode_embeddings
+
+    def spy(llm, embd, pos, *a, **kw):
+        for j, row in enumerate(embd):
+            decoded[pos + j] = row.copy()
+        return real(llm, embd, pos, *a, **kw)
+
+    monkeypatch.setattr(ap, "decode_embeddings", spy)
+    whole_e, e = tiny(stream_prefill=False), tiny(stream_left_context_s=0.96)
+    pause = 30 * 640
+    e.stream_audio(speech[:16000], CONTEXT)
+    e.stream_audio(speech[:pause], CONTEXT, at_pause=True)
+    start = e._stream._audio_start
+    assert e._stream.done == 30  # all of it, the last token too
+    at_pause = decoded[start + 29].copy()
+    e.stream_audio(speech[:36000], CONTEXT)  # the user went on
+    assert e._stream.redone == 1 and e._stream.done == 36000 // 640 - 1
+    ids, logits, text, last = _one_turn(e, speech)
+    w_ids, w_logits, w_text, _ = _one_turn(whole_e, speech)
+    assert last.streamed and ids == w_ids and text == w_text
+    whole = ap.AudioEncoder(whole_e.audio).encode(speech[: len(speech) // 640 * 640])
+    streamed = np.stack([decoded[start + i] for i in range(len(whole))])
+    assert np.allclose(streamed, whole, atol=1e-4)
+    assert not np.allclose(at_pause, whole[29], atol=1e-4)  # what a token without its redo would have kept
+    assert float(np.max(np.abs(logits - w_logits))) < 5e-3 * float(np.max(np.abs(w_logits)))

@@ -75,9 +75,11 @@ PI5 = {"prefill_tok_s": 32.0, "gen_tok_s": 6.4, "encoder_s_per_audio_s": 0.2, "p
        "audio_tok_s": 25.0, "after_tokens": 6, "opening_tokens": 20}
 FORMULA = ("ttfa = eot_detect (measured here: true end of speech -> end-of-turn decision) "
            "+ backlog (the Pi's streaming work still running at the decision: each feed the listener made here, "
-           "at the time it made it, costs enc*(window s) + new_tokens/prefill, feeds merged while busy) "
-           "+ enc*(left_context + tokens_left*0.04 s) + (tokens_left + after_tokens)/prefill "
+           "at the time it made it, costs enc*(window s) + batch(new_tokens), feeds merged while busy; a feed at a "
+           "pause also decodes its last token, redone if more audio follows) "
+           "+ [tokens_left > 0] enc*(left_context + tokens_left*0.04 s) + batch(tokens_left + after_tokens) "
            "+ (first_piece_tokens - 1)/gen + piper_first_piece; "
+           "batch(n) = max(n/prefill, 1/gen) (one llama_decode is no faster than one generation step); "
            "enc=0.2 s per audio s, prefill=32 tok/s, gen=6.4 tok/s, piper_first_piece=0.2 s, after_tokens=6 "
            "(Pi 5 figures: published llama.cpp speeds and the issue's budget); tokens_left, first_piece_tokens, "
            "the feed schedule and eot_detect measured here per case")
@@ -100,9 +102,10 @@ class Outcome:
     premature: bool = False
     first_audio_ms: Optional[float] = None  # end of speech -> first audio, measured here (the model answering)
     tokens_left: list = field(default_factory=list)  # the fixture's, per turn it ended
-    feeds: list = field(default_factory=list)  # (t s, samples) of each feed, session clock
+    feeds: list = field(default_factory=list)  # (t s, samples, at a pause?) of each feed, session clock
     end_t: float = 0.0
     eot_t: Optional[float] = None
+    eot_first_t: Optional[float] = None  # the first "complete" of the pause that ended the turn (offline only)
     final_samples: int = 0
     first_piece_tokens: Optional[int] = None
     prepared: bool = False  # the fixture's turn opening was in its cache before the question
@@ -160,12 +163,13 @@ def build_suite(cache: AudioCache, quick: bool = False) -> list[Case]:
 class FixtureEar:
     """The tiny Gemma 4 (it hears) fed as the product feeds its engine, beside whichever model answers."""
 
-    def __init__(self, left_context_s: float):
+    def __init__(self, left_context_s: float, final_at_pause: bool = True):
         from ..engine import Engine, EngineWorker
 
         self.engine = Engine(FIXTURE / "tiny-gemma4.gguf", FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=4096,
                              n_threads=1, max_reply_tokens=1, temperature=0.0, kv_cache_type="f16",
-                             system_prompt="Be brief.", stream_prefill=True, stream_left_context_s=left_context_s)
+                             system_prompt="Be brief.", stream_prefill=True, stream_left_context_s=left_context_s,
+                             stream_final_at_pause=final_at_pause)
         self.results: list[dict] = []
         self.worker = EngineWorker(self.engine, post=self._post, on_clause=lambda rid, text: None)
         self.worker.configure(context=None)  # prepares the next turn's opening while idle, as the product's does
@@ -211,12 +215,12 @@ def run_case(case: Case, parts: Parts, cfg: Config, ear: FixtureEar, noise: np.n
     def listening() -> bool:
         return session.conversation.state is State.LISTENING
 
-    def stream(pcm: np.ndarray) -> None:
+    def stream(pcm: np.ndarray, at_pause: bool = False) -> None:
         if listening():
-            out.feeds.append((clock(), len(pcm)))
-            ear.worker.stream_audio(pcm)
+            out.feeds.append((clock(), len(pcm), at_pause))
+            ear.worker.stream_audio(pcm, at_pause)
         if product_stream is not None:
-            product_stream(pcm)
+            product_stream(pcm, at_pause)
 
     def post(name, **info) -> None:
         if name == Ev.VAD_END and info.get("audio") is not None and listening():
@@ -267,33 +271,57 @@ def run_case(case: Case, parts: Parts, cfg: Config, ear: FixtureEar, noise: np.n
     return out
 
 
-def project_pi5(out: Outcome, left_context_s: float, first_piece_tokens: int, pi: dict = PI5) -> Optional[dict]:
+def project_pi5(out: Outcome, left_context_s: float, first_piece_tokens: int, pi: dict = PI5,
+                final_at_pause: bool = False, early_start: bool = False) -> Optional[dict]:
     """End of speech → first audio on a Pi 5 for one case (*projected*; see :data:`FORMULA`): its terms in ms
-    and their ``total``, or None when the case has no end of turn after its speech."""
+    and their ``total``, or None when the case has no end of turn after its speech.
+
+    ``out.feeds``: ``(t s, samples)`` or ``(t s, samples, at_pause)`` per feed. ``final_at_pause``: a feed
+    made at a pause decodes its last token too (no hold-back, the clip ends there as the turn's would); a
+    later feed rolls that token back and decodes it again (one token of pre-fill), and a turn whose clip is
+    that feed's has no audio left (``model.stream_final_at_pause``). ``early_start``: the answer's work after
+    the decision (the tail and the first piece) may start at ``out.eot_first_t``, the first "complete" of the
+    pause that ended the turn, and its audio plays at the decision at the earliest (a what-if: not built)."""
     if out.eot_t is None or not out.final_samples:
         return None
     enc, pre, tok = pi["encoder_s_per_audio_s"], pi["prefill_tok_s"], 1.0 / pi["audio_tok_s"]
+
+    def batch(n: int) -> float:  # one llama_decode of n tokens: no faster than one generation step
+        return max(n / pre, 1.0 / pi["gen_tok_s"])
+
     left = int(round(left_context_s / tok))
-    free, done, opened, i = float("-inf"), 0, out.prepared, 0
+    free, done, opened, i, whole = float("-inf"), 0, out.prepared, 0, None
     feeds = [f for f in out.feeds if f[0] <= out.eot_t]
     while i < len(feeds):
         start = max(free, feeds[i][0])
         while i + 1 < len(feeds) and feeds[i + 1][0] <= start:  # merged while the engine was busy
             i += 1
         n = feeds[i][1] // 640
-        upto = n - 1
+        final = final_at_pause and len(feeds[i]) > 2 and bool(feeds[i][2])
+        upto = n if final else n - 1
+        if whole is not None and n > whole:  # the last feed's final token is rolled back and decoded again
+            done, whole = whole - 1, None
         if upto > done:
-            first = max(0, done - left)
-            work = (0.0 if opened else pi["opening_tokens"] / pre) + enc * (n - first) * tok + (upto - done) / pre
+            first = max(0, min(done, n - 1) - left)
+            work = (0.0 if opened else pi["opening_tokens"] / pre) + enc * (n - first) * tok + batch(upto - done)
             opened, done, free = True, upto, start + work
+            whole = n if final else None
         i += 1
     n_final = out.final_samples // 640
-    done = min(done, max(0, n_final - 1))
-    first = max(0, done - left)
+    if whole is not None and whole == n_final:  # the turn's clip is the one decoded whole at the pause
+        tail_enc, tail_tokens = 0.0, 0
+    else:
+        done = min(done, max(0, n_final - 1), whole - 1 if whole is not None else done)  # a final token redone
+        first = max(0, done - left)
+        tail_enc, tail_tokens = enc * (n_final - first) * tok, n_final - done
     terms = {"eot_detect": out.eot_t - out.end_t, "backlog": max(0.0, free - out.eot_t),
-             "tail_encoder": enc * (n_final - first) * tok,
-             "tail_prefill": (n_final - done + pi["after_tokens"]) / pre + (0.0 if opened else pi["opening_tokens"] / pre),
+             "tail_encoder": tail_enc,
+             "tail_prefill": batch(tail_tokens + pi["after_tokens"]) + (0.0 if opened else pi["opening_tokens"] / pre),
              "first_piece": max(0, first_piece_tokens - 1) / pi["gen_tok_s"], "piper": pi["piper_first_piece_s"]}
+    if early_start and out.eot_first_t is not None and out.eot_first_t < out.eot_t:
+        work = terms["tail_encoder"] + terms["tail_prefill"] + terms["first_piece"] + terms["piper"]
+        ready = max(out.eot_first_t, free) + work
+        terms["early_start"] = -max(0.0, (out.eot_t + terms["backlog"] + work) - max(out.eot_t, ready))
     terms = {k: round(v * 1000.0, 1) for k, v in terms.items()}
     terms["total"] = round(sum(terms.values()), 1)
     return terms
@@ -370,6 +398,72 @@ def streamed_vs_whole(questions: list[np.ndarray], left_context_s: float, step_s
     return ({k: chosen[k] for k in ("embd_cosine_min", "logits_max_abs_diff", "left_context_ms")}, rows)
 
 
+def measure_pi_figures(engine, tts, left_context_s: float = 0.48, step_s: float = 0.5, repeats: int = 3) -> dict:
+    """The figures :data:`PI5` assumes, measured on this machine with ``engine`` (a model that hears) and
+    ``tts`` (Piper), in :data:`PI5`'s keys, so that :func:`offline_eot` can project with them (``pi=``):
+
+    - ``encoder_s_per_audio_s``: one streamed window (``left_context_s`` + ``step_s`` + 40 ms of noise-like
+      audio) through the projector's encoder, s per audio s (median of ``repeats``);
+    - ``prefill_tok_s``: a window's new audio embeddings (``step_s`` × 25) decoded in one batch, tokens/s;
+    - ``gen_tok_s``: single-token decodes, tokens/s;
+    - ``piper_first_piece_s``: Piper's time to the first audio of a three-word piece.
+
+    Also ``tail_6_tokens_s`` (six template tokens in one batch: the end of a turn's pre-fill). The cache is
+    left as it was (what is decoded here is rolled back). Runs on the caller's thread: use it while the
+    appliance is not running.
+    """
+    import time
+
+    from ..audio_prefill import SAMPLES_PER_TOKEN, AudioEncoder, decode_embeddings, decode_tokens
+
+    def median_time(fn) -> float:
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    engine.drop_streamed_audio()
+    llm, pos = engine.llm, engine.n_past
+    rng = np.random.default_rng(0)
+    window_s = left_context_s + step_s + 0.04
+    pcm = (rng.standard_normal(int(window_s * MODEL_RATE)) * 0.05).astype(np.float32)
+    pcm = pcm[: len(pcm) // SAMPLES_PER_TOKEN * SAMPLES_PER_TOKEN]
+    encoder = AudioEncoder(engine.audio)
+    embd = encoder.encode(pcm)
+    enc_s = median_time(lambda: encoder.encode(pcm))
+    new = embd[: int(round(step_s * 25))]
+
+    def rollback() -> None:
+        llm._ctx.kv_cache_seq_rm(0, pos, -1)
+        llm.n_tokens = pos
+
+    def prefill() -> None:
+        decode_embeddings(llm, new, pos)
+        rollback()
+
+    tokens = llm.tokenize(b"the the the the the the", add_bos=False, special=False)[:6]
+
+    def tail() -> None:
+        decode_tokens(llm, tokens, pos)
+        rollback()
+
+    def one() -> None:
+        decode_tokens(llm, tokens[:1], pos)
+        rollback()
+
+    try:
+        pre_s, tail_s, gen_s = median_time(prefill), median_time(tail), median_time(one)
+    finally:
+        rollback()
+    piper = median_time(lambda: next(iter(tts.synthesize("Paris, of course."))))
+    return {"encoder_s_per_audio_s": round(enc_s / (len(pcm) / MODEL_RATE), 4),
+            "prefill_tok_s": round(len(new) / pre_s, 2), "gen_tok_s": round(1.0 / gen_s, 2),
+            "piper_first_piece_s": round(piper, 3), "tail_6_tokens_s": round(tail_s, 4),
+            "audio_tok_s": 25.0, "after_tokens": PI5["after_tokens"], "opening_tokens": PI5["opening_tokens"]}
+
+
 def pct(xs: list, q: float) -> Optional[float]:
     return round(float(np.percentile(xs, q)), 1) if xs else None
 
@@ -398,7 +492,8 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
     left_s = cfg.model.stream_left_context_ms / 1000.0
     step_s = cfg.model.stream_step_ms / 1000.0
     print_line(f"{len(cases)} cases, in real time (about {int(sum(c.seconds + 2.5 for c in cases))} s)")
-    ear = FixtureEar(left_s)
+    final = cfg.model.stream_final_at_pause
+    ear = FixtureEar(left_s, final)
     noise = fan_noise()
     eot_calls0 = len(parts.eot.infer_ms) if parts.eot is not None else 0
     outcomes = []
@@ -415,7 +510,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
     pieces = [o.first_piece_tokens for o in outcomes if o.first_piece_tokens]
     k = int(np.median(pieces)) if pieces else 5
     for o in outcomes:
-        o.budget = project_pi5(o, left_s, o.first_piece_tokens or k) or {}
+        o.budget = project_pi5(o, left_s, o.first_piece_tokens or k, final_at_pause=final) or {}
         o.projected_ms = o.budget.get("total")
         o.whole_projected_ms = project_pi5_whole(o, o.first_piece_tokens or k)
     for o in outcomes:
@@ -433,7 +528,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
                    f"p50 {pct(before, 50)} / p95 {pct(before, 95)} ms; first piece waited for {k} tokens (median)")
     for alt in sorted({0.48, 0.96, 1.92} - {left_s}):  # the same turns at another left context (same feeds)
         alt_ms = [b["total"] for o in outcomes if not o.premature
-                  for b in [project_pi5(o, alt, o.first_piece_tokens or k)] if b]
+                  for b in [project_pi5(o, alt, o.first_piece_tokens or k, final_at_pause=final)] if b]
         print_line(f"Pi 5 projected with a left context of {alt * 1000:.0f} ms instead: p50 {pct(alt_ms, 50)} / "
                    f"p95 {pct(alt_ms, 95)} ms")
     text = json.dumps(summary, indent=2, default=jsonable)
@@ -445,7 +540,8 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
 
 def offline_eot(cases: list[Case], vad, end_of_turn: Optional[Callable[[np.ndarray], float]], settings: dict,
                 noise: Optional[np.ndarray] = None, call_ms: float = 0.0, step_ms: int = 500,
-                left_context_s: float = 0.48, first_piece_tokens: int = 5, pi: Optional[dict] = None) -> dict:
+                left_context_s: float = 0.48, first_piece_tokens: int = 5, pi: Optional[dict] = None,
+                final_at_pause: bool = True, early_start: bool = False) -> dict:
     """End of turn, OFFLINE (not real time): each case's microphone signal (0.3 s of quiet, the question,
     2 s of quiet; the fan under it for ``+fan`` cases, as in the room) through a :class:`VadSegmenter` with
     the real Silero VAD and ``end_of_turn`` (Smart Turn's ``probability``, or None for the silence rule),
@@ -480,20 +576,25 @@ def offline_eot(cases: list[Case], vad, end_of_turn: Optional[Callable[[np.ndarr
             level = 10 ** ((active_dbfs(c.audio) - NOISE_SNR_DB) / 20)
             x = x + (noise[np.arange(len(x)) % len(noise)] * level).astype(np.float32)
         true_end = ONSET_S + (len(c.audio) - max(0, first_above(c.audio[::-1], -40.0))) / MODEL_RATE
-        ends, feeds, fed, final = [], [], 0, 0
+        ends, feeds, fed, final, firsts, first_t = [], [], 0, 0, {}, None
         step = step_ms * MODEL_RATE // 1000
         for i in range(0, len(x), 512):
             for ev in seg.push(x[i : i + 512]):
                 if ev.kind == "end":
                     ends.append(seg._n / MODEL_RATE + (call_ms / 1000.0 if ev.eot_prob is not None else 0.0))
+                    if not final and ev.eot_prob is not None:
+                        first_t = firsts.get(seg._last_voice)
                     final = final or len(ev.audio)
+            asked = seg._eot_asked  # a first "complete" waiting for its confirming call: when it was known
+            if asked is not None and not asked[2] and asked[0] not in firsts:
+                firsts[asked[0]] = seg._n / MODEL_RATE + call_ms / 1000.0
             if not seg.confirmed:
                 fed = 0
                 continue
             n = seg.utterance_samples()
             if n - fed >= step or (n > fed and seg.silence_ms >= 96):
                 fed = n
-                feeds.append((seg._n / MODEL_RATE, n))
+                feeds.append((seg._n / MODEL_RATE, n, seg.silence_ms >= 96))
         calls += len(seg.eot_calls)
         if any(t < true_end for t in ends):
             premature.append(c.label)
@@ -501,15 +602,19 @@ def offline_eot(cases: list[Case], vad, end_of_turn: Optional[Callable[[np.ndarr
         if after:
             detect.append((after[0] - true_end) * 1000.0)
             if not any(t < true_end for t in ends):
-                o = Outcome(c, eot_t=after[0], end_t=true_end, final_samples=final, prepared=True, feeds=feeds)
-                b = project_pi5(o, left_context_s, first_piece_tokens, pi or PI5)
+                o = Outcome(c, eot_t=after[0], end_t=true_end, final_samples=final, prepared=True, feeds=feeds,
+                            eot_first_t=first_t)
+                b = project_pi5(o, left_context_s, first_piece_tokens, pi or PI5, final_at_pause, early_start)
                 if b:
-                    ttfa.append((c.seconds, b["total"]))
+                    ttfa.append((c.seconds, b["total"], b))
+    about3 = [b for s_, _, b in ttfa if 2.0 <= s_ <= 4.0]
     return {"premature_eot": {"count": len(premature), "n": len(cases)},
             "eot_detect_ms": {"p50": pct(detect, 50), "p95": pct(detect, 95), "n": len(detect)},
             "premature": premature, "calls": calls,
-            "pi5_projected_ttfa_ms": {"p50": pct([t for _, t in ttfa], 50), "p95": pct([t for _, t in ttfa], 95),
-                                      "n": len(ttfa), "p50_2_4s": pct([t for s_, t in ttfa if 2.0 <= s_ <= 4.0], 50)}}
+            "pi5_projected_ttfa_ms": {"p50": pct([t for _, t, _ in ttfa], 50), "p95": pct([t for _, t, _ in ttfa], 95),
+                                      "n": len(ttfa), "p50_2_4s": pct([b["total"] for b in about3], 50),
+                                      "terms_p50_2_4s": {k: pct([b.get(k, 0.0) for b in about3], 50)
+                                                         for k in dict.fromkeys(k for b in about3 for k in b)}}}
 
 
 # The levers docs/latency.md reports (offline, python -m appliance.bench.latency --offline): segmenter fields.
@@ -534,15 +639,20 @@ OFFLINE_LEVERS: list[tuple[str, dict]] = [
 
 # (name, offline_eot keywords): the streaming levers, projected for a Pi 5 over the same turns.
 PROJECTION_LEVERS: list[tuple[str, dict]] = [
-    ("left 960 ms, step 500 ms, first piece 5 tokens (before)", {"left_context_s": 0.96}),
-    ("left 480 ms, step 500 ms, first piece 5 tokens", {}),
-    ("left 480 ms, step 1000 ms, first piece 5 tokens", {"step_ms": 1000}),
-    ("left 480 ms, step 250 ms, first piece 5 tokens", {"step_ms": 250}),
-    ("left 480 ms, step 500 ms, first piece 4 tokens", {"first_piece_tokens": 4}),
-    ("left 240 ms, step 500 ms, first piece 4 tokens", {"left_context_s": 0.24, "first_piece_tokens": 4}),
-    # What the Pi's prefill speed would have to be (the published 32 tok/s decides the backlog):
-    ("left 480, step 500, 4 tokens, prefill 48 tok/s", {"first_piece_tokens": 4, "pi": {**PI5, "prefill_tok_s": 48.0}}),
-    ("left 480, step 500, 4 tokens, prefill 64 tok/s", {"first_piece_tokens": 4, "pi": {**PI5, "prefill_tok_s": 64.0}}),
+    ("left 480, step 500, 4 tokens, last token held back (before)", {"first_piece_tokens": 4, "final_at_pause": False}),
+    ("left 480, step 500, 4 tokens, final at a pause (now)", {"first_piece_tokens": 4}),
+    ("  + step 200 ms", {"first_piece_tokens": 4, "step_ms": 200}),
+    ("  + step 1000 ms", {"first_piece_tokens": 4, "step_ms": 1000}),
+    ("  + left 320 ms", {"first_piece_tokens": 4, "left_context_s": 0.32}),
+    ("  + first piece 3 tokens", {"first_piece_tokens": 3}),
+    ("  + answer started at the first 'complete'", {"first_piece_tokens": 4, "early_start": True}),
+    # What the Pi would have to do (the published 32 tok/s decides the backlog):
+    ("  + encoder 0.1 s per audio s", {"first_piece_tokens": 4, "pi": {**PI5, "encoder_s_per_audio_s": 0.1}}),
+    ("  + prefill 48 tok/s", {"first_piece_tokens": 4, "pi": {**PI5, "prefill_tok_s": 48.0}}),
+    ("  + prefill 64 tok/s", {"first_piece_tokens": 4, "pi": {**PI5, "prefill_tok_s": 64.0}}),
+    ("  + prefill 64 tok/s, answer started at the first 'complete'",
+     {"first_piece_tokens": 4, "early_start": True, "pi": {**PI5, "prefill_tok_s": 64.0}}),
+    ("  + prefill 44 tok/s, first piece 3 tokens", {"first_piece_tokens": 3, "pi": {**PI5, "prefill_tok_s": 44.0}}),
 ]
 
 
@@ -571,15 +681,18 @@ def _offline_main(argv: Optional[list] = None) -> int:
                 f"{r['eot_detect_ms']['p50']} p95 {r['eot_detect_ms']['p95']}  calls {r['calls']}  Pi 5 projected "
                 f"p50 {t['p50']} (2-4 s: {t['p50_2_4s']}) p95 {t['p95']}  premature: {'; '.join(r['premature'])}")
 
-    print("End-of-turn levers (projection: left context 480 ms, step 500 ms, first piece 5 tokens):", flush=True)
+    print("End-of-turn levers (projection: left context 480 ms, step 500 ms, final at a pause, first piece "
+          "5 tokens):", flush=True)
     for name, settings in OFFLINE_LEVERS:
         settings = dict(settings)
         silence = settings.pop("_silence", False)
         r = offline_eot(cases, vad, None if silence else smart.probability, settings, call_ms=args.call_ms)
         print(line(name, r), flush=True)
-    print("Projection levers (the default end of turn):", flush=True)
+    print("Projection levers (the default end of turn; p50 of each term for questions of 2-4 s):", flush=True)
     for name, kw in PROJECTION_LEVERS:
-        print(line(name, offline_eot(cases, vad, smart.probability, {}, call_ms=args.call_ms, **kw)), flush=True)
+        r = offline_eot(cases, vad, smart.probability, {}, call_ms=args.call_ms, **kw)
+        print(line(name, r), flush=True)
+        print(f"{'':44} terms {json.dumps(r['pi5_projected_ttfa_ms']['terms_p50_2_4s'])}", flush=True)
     return 0
 
 if __name__ == "__main__":
