@@ -304,6 +304,26 @@ def test_keyword_classifier_falls_back_to_the_forward_search(name, want):
     assert clf.classify(audio) == BargeInDecision.INTERRUPT and clf.last == want
 
 
+@pytest.mark.parametrize("name, want", [
+    ("joe_uh_huh_echo6.wav", None),  # Piper's "Uh-huh." under echo 6 dB louder: was heard as "no"
+    ("joe_mm_hmm_echo0.wav", BargeInDecision.RESUME),  # Piper's "Mm-hmm.": was heard as "never mind"
+    ("engb_never_mind_echo0.wav", BargeInDecision.INTERRUPT),  # espeak-ng en-gb "Never mind.": heard as "never"
+    ("joe_no_echo6.wav", BargeInDecision.INTERRUPT),
+    ("engb_stop_echo6.wav", BargeInDecision.INTERRUPT),
+    ("usf3_stop_echo6.wav", BargeInDecision.INTERRUPT),
+])
+def test_keyword_classifier_on_captured_backchannels_and_stop_words(name, want):
+    """Interjections as the listener hands them over: the bench's speech played over a reply through the
+    simulated room (echo 30 ms + RT60 150 ms), cancelled by Speex and cut by the segmenter from its onset
+    to its end, the reply paused at the onset. The backchannels must not flush (None: the duration rule
+    resumes) and the stop words must (real PocketSphinx). The first three failed before the backchannels'
+    alternative pronunciations and "never"."""
+    audio = load_audio(Path(__file__).parent / "fixtures" / "captured" / name)
+    clf = KeywordClassifier().load()
+    got = clf.classify(audio)
+    assert got == want, (got, clf.last)
+
+
 def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge_in():
     """The benchmark's validity rule on timeline records (seconds): a reply that finishes within 100 ms of
     the user's onset, before any pause, was never interrupted; one that was paused first, or that ends
