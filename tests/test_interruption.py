@@ -304,6 +304,26 @@ def test_keyword_classifier_falls_back_to_the_forward_search(name, want):
     assert clf.classify(audio) == BargeInDecision.INTERRUPT and clf.last == want
 
 
+@pytest.mark.parametrize("name, want", [
+    ("joe_uh_huh_echo6.wav", None),  # Piper's "Uh-huh." under echo 6 dB louder: was heard as "no"
+    ("joe_mm_hmm_echo0.wav", BargeInDecision.RESUME),  # Piper's "Mm-hmm.": was heard as "never mind"
+    ("engb_never_mind_echo0.wav", BargeInDecision.INTERRUPT),  # espeak-ng en-gb "Never mind.": heard as "never"
+    ("joe_no_echo6.wav", BargeInDecision.INTERRUPT),
+    ("engb_stop_echo6.wav", BargeInDecision.INTERRUPT),
+    ("usf3_stop_echo6.wav", BargeInDecision.INTERRUPT),
+])
+def test_keyword_classifier_on_captured_backchannels_and_stop_words(name, want):
+    """Interjections as the listener hands them over: the bench's speech played over a reply through the
+    simulated room (echo 30 ms + RT60 150 ms), cancelled by Speex and cut by the segmenter from its onset
+    to its end, the reply paused at the onset. The backchannels must not flush (None: the duration rule
+    resumes) and the stop words must (real PocketSphinx). The first three failed before the backchannels'
+    alternative pronunciations and "never"."""
+    audio = load_audio(Path(__file__).parent / "fixtures" / "captured" / name)
+    clf = KeywordClassifier().load()
+    got = clf.classify(audio)
+    assert got == want, (got, clf.last)
+
+
 def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge_in():
     """The benchmark's validity rule on timeline records (seconds): a reply that finishes within 100 ms of
     the user's onset, before any pause, was never interrupted; one that was paused first, or that ends
@@ -318,6 +338,24 @@ def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge
     assert bench.interjection_validity(playing + paused + ended(2.08), speech) == (True, "")
     assert not bench.interjection_validity([{"event": "state", "t": 1.0, "state": "listening"}], speech)[0]
     assert not bench.interjection_validity(playing, [])[0]
+
+
+def test_barge_in_latency_is_split_into_vad_listener_and_output():
+    """``latency_split`` on timeline records (seconds): the user's onset at 2.000 s, the VAD window that
+    fired began at 2.040 (ends at 2.072), the listener posted it at 2.080, the pause at 2.081, and the
+    output fell silent 87 ms after the onset; and ``summarise`` reports the parts over the barge-ins."""
+    recs = [{"event": "vad_onset", "t": 2.080, "audio_t": 2.040, "prob": 0.9},
+            {"event": "interrupted", "t": 2.081, "onset_t": 2.080}]
+    split = bench.latency_split(recs, 2.0, 87.0)
+    assert split == {"vad_ms": 72.0, "listener_ms": 9.0, "output_ms": 6.0}
+    assert bench.latency_split(recs[:1], 2.0, 87.0) is None  # no pause
+    case = bench.Case("short_stop", "x", None, "Stop.")
+    outs = [bench.Outcome(case, [], True, barge={"output_silent_ms": 87.0, "detected_ms": 81.0, "split": split}),
+            bench.Outcome(case, [], True, barge={"output_silent_ms": 0.0, "detected_ms": 40.0,  # in a gap: left out
+                                                  "split": {"vad_ms": 30.0, "listener_ms": 10.0, "output_ms": -40.0}})]
+    got = bench.summarise(outs, [])["barge_in_split_ms"]
+    assert got["vad_ms"] == {"p50": 72.0, "p95": 72.0, "max": 72.0, "n": 1}
+    assert got["output_ms"]["p50"] == 6.0 and got["listener_ms"]["n"] == 1
 
 
 def test_the_next_reply_starts_where_it_first_plays_after_the_flush():

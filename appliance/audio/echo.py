@@ -64,6 +64,7 @@ FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
 FAR_ACTIVE = 10 ** (-50 / 10)  # mean far-end power above which a frame counts as "far end active" (−50 dBFS)
 LT_FRAMES = 200  # the echo floor's memory: 2 s of far-active frames
 FLOOR_LAG_FRAMES = 30  # ... but the newest 300 ms, where a user's onset would be (see _floor_db)
+FLOOR_HOLD_FRAMES = 10  # after the gate passed: the frames kept out of the floors while the pause takes hold
 GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (echo-only windows that the VAD took
 # for speech sat up to 12 dB above it, p95 9 dB, in 10 offline runs of Piper replies at 0/+6 dB, measured here)
 GATE_SOFT_DB = 6.0  # ... or within this of it in two consecutive checks (see near_end_present)
@@ -231,6 +232,8 @@ class EchoCanceller:
         self.clear_log: list[GateRow] = []  # the same for near_end_clear (passed = both tests), if record
         self.cold_log: list[tuple] = []  # (frame, expected residual dB) of the cold windows the gate refused, if record
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
+        self._floor_hold_until = 0  # frames before this one stay out of the floors (see _keep_onset_out)
+        self._lt_new = 0  # far-end frames the floors took since the gate last passed (see _keep_onset_out)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -283,11 +286,12 @@ class EchoCanceller:
             self._ratio_far.append(float(e_far[i]))
             self._hb_in.append(float(hb_in[i]))
             self._hb_out.append(float(hb_out[i]))
-            if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
+            if self._ratio_far[-1] >= FAR_ACTIVE * FRAME and self.frames + i >= self._floor_hold_until:
                 self._lt_in.append(self._ratio_in[-1])
                 self._lt_out.append(self._ratio_out[-1])
                 self._lt_hb_in.append(self._hb_in[-1])
                 self._lt_hb_out.append(self._hb_out[-1])
+                self._lt_new += 1
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
             self._band_in.append(b_in[i])
@@ -513,6 +517,8 @@ class EchoCanceller:
         passed = r >= threshold or (soft and self._last_soft is not None and self.frames - self._last_soft <= 2)
         self._last_soft = self.frames if soft else None
         passed = (passed or hb_passed) and r <= OVER_DB
+        if passed:
+            self._keep_onset_out()
         if self.record:
             self.gate_log.append(self._log_row(t, passed))
         return passed
@@ -538,9 +544,31 @@ class EchoCanceller:
             return False
         r, threshold, _, _, _, hb_passed = t
         passed = bool(threshold <= r <= OVER_DB and hb_passed)
+        if passed:
+            self._keep_onset_out()
         if self.record:
             self.clear_log.append(self._log_row(t, passed))
         return passed
+
+    def _keep_onset_out(self) -> None:
+        """The gate has just taken the last window for the user: take the newest ``FLOOR_LAG_FRAMES`` of
+        far-end frames (the frames the floors have not used yet, where the user's onset is) out of the
+        broadband and high-band floors, and keep the next ``FLOOR_HOLD_FRAMES`` out too (the reply plays
+        on until the pause takes hold).
+
+        Why: the lag keeps a user's onset out of the floor only for 300 ms. Then it entered the floors and
+        stayed there for the next 2 s of far end, that is into the next reply: measured here, offline, on
+        the bench's barge-ins (each on the canceller the room's earlier cases left, as a service's), the
+        high-band floor that the previous barge-in's "s" or "st" left put the high-band test's threshold
+        above ``HB_MAX_DB`` (the test off) in nearly every case, and with it the early onsets, so that
+        "Stop." waited for Silero's vowel (146–186 ms). A false pass only costs the floors 300 ms of
+        history. (The floors then leave out those frames' echo as well: they move by a dB or two.)"""
+        k = min(self._lt_new, FLOOR_LAG_FRAMES, len(self._lt_in))  # (a pass right after a pass: only the new ones)
+        if k:
+            for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out):
+                del buf[-k:]
+        self._lt_new = 0
+        self._floor_hold_until = self.frames + FLOOR_HOLD_FRAMES
 
     def _band_tests(self, n: int) -> Optional[tuple]:
         """The two bands' figures over the last ``n`` samples: (broadband ratio, its threshold, high-band

@@ -48,6 +48,7 @@ from ..config import Config
 from ..errors import UserError
 from ..pipeline import Parts, Timeline, jsonable
 from ..session import Session
+from ..vad import WINDOW_MS
 from ..replay import audible_until_ms, barge_ins
 
 USER_DBFS = -26.0  # the user's active speech level at the microphone (RMS over samples above -50 dBFS)
@@ -317,6 +318,27 @@ def next_reply_start(recs: list[dict], after: float) -> tuple[bool, str, float]:
     return True, "", spoke[0]
 
 
+def latency_split(recs: list[dict], onset_t: float, silent_ms: Optional[float]) -> Optional[dict]:
+    """Where a barge-in's latency went, from the timeline ``recs`` (seconds) and the user's onset
+    ``onset_t`` (s): ``vad_ms``, the onset to the end of the VAD window that fired (the algorithm: windows
+    refused by the onset gate or scored under threshold); ``listener_ms``, that window's end to the pause
+    (the listener and the conversation catching up, in real time); ``output_ms``, the pause to the output's
+    silence (``silent_ms``: the fade and the samples the port still held). None without a pause after the
+    onset or its ``vad_onset`` record. ms, rounded to 0.1."""
+    paused = [r for r in recs if r["event"] == "interrupted" and r["t"] >= onset_t - 0.05]
+    if not paused:
+        return None
+    onsets = [r for r in recs if r["event"] == "vad_onset" and r["t"] == paused[0].get("onset_t")
+              and r.get("audio_t") is not None]
+    if not onsets:
+        return None
+    window_end = onsets[0]["audio_t"] + WINDOW_MS / 1000.0
+    detected = paused[0]["t"] - onset_t
+    return {"vad_ms": round((window_end - onset_t) * 1000.0, 1),
+            "listener_ms": round((paused[0]["t"] - window_end) * 1000.0, 1),
+            "output_ms": None if silent_ms is None else round(silent_ms - detected * 1000.0, 1)}
+
+
 @dataclass
 class Outcome:
     case: Case
@@ -460,6 +482,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         out.barge = b[0] if b else None
         if out.barge is not None:
             out.barge["output_silent_ms"] = audible_until_ms(output, speech[0]["onset_t"], out.barge["detected_ms"])
+            out.barge["split"] = latency_split(recs, speech[0]["onset_t"], out.barge["output_silent_ms"])
     # ERLE over echo-only blocks: far end playing, no scripted sound in the microphone block.
     if echo is not None and echo.recorded and room.echo:
         n = min(len(echo.recorded), len(room.near_active), len(room.echo))
@@ -495,6 +518,10 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         return {"count": sum(1 for o in os_ if o.interrupted), "n": len(os_)}
 
     lat = silent_ms(barge + by("short_stop"))
+    # the same barge-ins' latency, part by part (latency_split)
+    split = [o.barge["split"] for o in barge + by("short_stop")
+             if o.barge and o.barge.get("output_silent_ms") and o.barge.get("split")]
+    part = lambda k: [x[k] for x in split if x.get(k) is not None]  # noqa: E731
     parts = {"long_barge_in": silent_ms(barge)}
     for rel in sorted({o.case.echo_rel_db for o in by("short_stop")}):
         parts[f"short_stop_echo_{rel:+.0f}db"] = silent_ms([o for o in by("short_stop") if o.case.echo_rel_db == rel])
@@ -515,6 +542,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     return {
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
+        "barge_in_split_ms": {k: {"p50": pct(part(k), 50), "p95": pct(part(k), 95), "max": max(part(k), default=None),
+                                  "n": len(part(k))} for k in ("vad_ms", "listener_ms", "output_ms")},
         "barge_in_in_reply_gap": {"count": in_gap(barge + by("short_stop")), "cold": in_gap(cold_barge)},
         "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
         # what the cold start costs: the first reply's audio served by the stand-in, and a barge-in on it
@@ -591,7 +620,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
         print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} stand_in_ms={o.stand_in_ms} flushed={o.flushed} resumed={o.resumed} "
-                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
+                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} split={o.barge.get('split') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
                    + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
     summary = summarise(outcomes, costs)
