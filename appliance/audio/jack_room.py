@@ -10,11 +10,16 @@ gets what the appliance plays. Every JACK period the room
 1. reads the ``ear`` block (what the appliance played: the ground truth of its output),
 2. passes it through the loudspeaker: ``linear``, or ``clip`` (a 3 W speaker driven hard: ``tanh`` soft
    clipping, then a band-limited small-speaker response, 300 Hz–6.5 kHz, windowed-sinc FIR),
-3. through the clock drift: the echo resampled by ``1 + drift_ppm·1e-6`` with a streaming soxr resampler
-   (a speaker crystal running ``drift_ppm`` fast relative to the microphone's; the echo's delay shrinks
-   by ``drift_ppm`` µs every second). While the appliance has been silent for a second, the accumulated
-   drift is re-centred to the nominal delay, as a device's ring resynchronises (counted in
-   :attr:`JackRoom.recentred`): each reply drifts from the nominal delay by ``drift_ppm`` over its length,
+3. through the clock drift and the pure delay: a delay line read at ``1 + drift_ppm·1e-6`` samples per
+   sample with windowed-sinc interpolation (:class:`_DriftLine`; a speaker crystal running ``drift_ppm``
+   fast relative to the microphone's: the echo's delay shrinks smoothly by ``drift_ppm`` µs every
+   second). While the appliance has been silent for a second, the accumulated drift is re-centred to
+   the nominal delay, as a device's ring resynchronises (counted in :attr:`JackRoom.recentred`; the line
+   then holds only silence, so the jump is inaudible): each reply drifts from the nominal delay by
+   ``drift_ppm`` over its length. (It used to be a streaming soxr resampler into a FIFO: soxr gives its
+   output in bursts of 820 or 1640 samples per 1024 in, so the FIFO ran dry 337 samples' worth in a
+   2.5 min run, measured here, and each time zeros went into the echo and the echo's delay jumped: a
+   discontinuity no real room has.)
 4. through the room's echo path: ``echo_delay_ms`` of pure delay, then the room impulse response the
    simulated room uses (:func:`appliance.audio.room.synthetic_ir`, resampled to the server's rate, unit
    energy), at ``echo_gain_db`` (FFT overlap-save convolution),
@@ -91,6 +96,63 @@ class _OverlapSave:
         return y.astype(np.float32)
 
 
+class _DriftLine:
+    """A delay line read at a rate of ``ratio`` input samples per output sample: the output's sample ``m``
+    is the input at position ``m·ratio − delay`` (fractional), by windowed-sinc interpolation (``taps``
+    taps, Kaiser window; at 48 kHz its error is under −60 dB below 16 kHz). ``ratio`` 1 and an integer
+    position: an exact integer delay. Streaming, one block in and one block of the same length out.
+
+    :param delay: the initial delay, samples (≥ ``taps // 2``).
+    """
+
+    def __init__(self, delay: int, ratio: float, taps: int = 32):
+        self.ratio = float(ratio)
+        self.half = taps // 2
+        self.taps = taps
+        self._kaiser = np.kaiser(taps, 8.0)
+        self.delay = int(delay)
+        self._line = np.zeros(self.delay + taps, dtype=np.float32)
+        self._start = -len(self._line)  # the input index of _line[0]
+        self._written = 0  # input samples written
+        self._pos = float(-self.delay)  # input position of the next output sample
+        self.dry = 0  # output samples that would have needed input not yet written (read as the newest)
+
+    def recentre(self) -> bool:
+        """Back to the initial delay (the next output sample reads ``delay`` samples back). :returns: whether
+        the position moved by a sample or more."""
+        target = float(self._written - self.delay)
+        moved = abs(self._pos - target) >= 1.0
+        self._pos = target
+        return moved
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n = len(x)
+        self._line = np.concatenate([self._line, np.asarray(x, dtype=np.float32)])
+        self._written += n
+        pos = self._pos + self.ratio * np.arange(n)
+        self._pos += self.ratio * n
+        newest = self._written - 1 - self.half  # the last position whose kernel is all written
+        late = pos > newest
+        if late.any():
+            self.dry += int(late.sum())
+            pos = np.minimum(pos, newest)
+        base = np.floor(pos)
+        frac = pos - base
+        if not frac.any():
+            y = self._line[(base - self._start).astype(np.int64)]
+        else:
+            k = np.arange(-self.half + 1, self.half + 1)  # taps around the position
+            w = np.sinc(k[None, :] - frac[:, None]) * self._kaiser[None, :]
+            w /= w.sum(axis=1, keepdims=True)  # unity gain at DC whatever the fraction
+            idx = (base - self._start).astype(np.int64)[:, None] + k[None, :]
+            y = np.einsum("ij,ij->i", self._line[idx], w).astype(np.float32)
+        keep = int(np.floor(self._pos)) - self.half - self._start - 1  # the next block's first kernel
+        if keep > 0:
+            self._line = self._line[keep:]
+            self._start += keep
+        return y
+
+
 @dataclass
 class Utterance:
     """A scripted sound and its ground truth, frame times of the room's server (None until it plays)."""
@@ -157,7 +219,8 @@ class JackRoom:
         self.last_loud: Optional[int] = None  # the last frame the appliance was heard (peak ≥ −50 dBFS)
         self._quiet_since: Optional[int] = None
         self.recentred = 0
-        self.underruns = 0  # echo samples the drift resampler had not produced in time (zeros instead)
+        self.underruns = 0  # echo samples the drift ran ahead of what was played (the delay used up; 80 s of
+        #   continuous output at +300 ppm and a 30 ms delay)
         self.callbacks = 0
         self._cycles: list[tuple[float, float, int]] = []  # (monotonic − frame/rate, monotonic, frame) a callback
         self._gain: Optional[float] = None
@@ -181,15 +244,8 @@ class JackRoom:
             delay = max(0, delay - (len(bp) - 1) // 2)  # the band-pass's group delay is part of the path
         self._fir = _OverlapSave(ir.astype(np.float32))
         self._delay = delay
-        self._fifo = np.zeros(delay, dtype=np.float32)  # the pure delay, drained by the drift
-        self._rs = None
-        self._fed = self._made = 0  # samples into and out of the drift resampler
+        self._line = _DriftLine(delay, 1.0 + self.drift_ppm * 1e-6)
         self._recentre_due = False
-        if self.drift_ppm:
-            import soxr
-
-            self._rs = soxr.ResampleStream(rate * (1.0 + self.drift_ppm * 1e-6), rate, 1, dtype="float32",
-                                           quality="HQ")
         self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
 
     def set_echo(self, echo_gain_db: Optional[float]) -> None:
@@ -337,27 +393,15 @@ class JackRoom:
         x = ear
         if self.speaker == "clip":
             x = soft_clip(x, self.clip_drive)
-        if self._rs is not None:
-            self._fed += len(x)
-            x = self._rs.resample_chunk(x)
-            self._made += len(x)
+        if self.drift_ppm:
             if self._quiet_since is None:
                 self._recentre_due = True
             elif self._recentre_due and f0 - self._quiet_since >= self.rate:
-                # A second of silence: re-centre the accumulated drift (zeros in, zeros out). The delay in
-                # effect is what the FIFO holds after this period plus what the resampler still holds.
+                # A second of silence: re-centre the accumulated drift (the line holds only silence).
                 self._recentre_due = False
-                backlog = self._fed / (1.0 + self.drift_ppm * 1e-6) - self._made
-                level = int(round(self._delay - backlog)) + frames - len(x)
-                if abs(len(self._fifo) - level) >= self.rate // 1000:
-                    self._fifo = np.zeros(max(0, level), dtype=np.float32)
-                    self.recentred += 1
-        self._fifo = np.concatenate([self._fifo, x])
-        take = self._fifo[:frames]
-        if len(take) < frames:
-            self.underruns += frames - len(take)
-            take = np.concatenate([take, np.zeros(frames - len(take), dtype=np.float32)])
-        self._fifo = self._fifo[frames:]
+                self.recentred += int(self._line.recentre())
+        take = self._line(x)
+        self.underruns = self._line.dry
         y = self._fir(take)
         if gain is None:
             return np.zeros(frames, dtype=np.float32)
