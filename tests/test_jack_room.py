@@ -139,6 +139,24 @@ def _run(room, svc, case):
 
 
 @REALTIME
+def test_no_pause_on_its_own_echo_when_nobody_talks(running):
+    """The whole reply to one question through the room's echo path (30 ms, RT60 150 ms, as loud at the
+    microphone as a user), nobody talking over it: the appliance must not pause on its own voice. This is
+    the canceller on real streams: its far end is what the worker's output played, paired with the
+    microphone by count. Measured here, loaded machine, 10 echo-only replies at 0 and +6 dB each run:
+    without drift, 0 paused (this code and the code before it alike); with +300 ppm of drift and the
+    clipping speaker 4 paused, 2 flushed (the far end before this: 2 of 10 unloaded in the old room, 3 of 10
+    loaded in this one): the drift
+    does not hold yet, too randomly for a test: ``appliance bench interruption --room jack --echo-only N``
+    counts it. Here: one reply at 0 dB, linear speaker, no drift, the service's first reply (cold)."""
+    room, svc = running
+    out = _run(room, svc, _case("echo_only", "nobody talks", None, None, echo_rel_db=0.0, echo_path=True))
+    assert out.valid, out.note
+    assert any(r["event"] == "turn_end" for r in out.records)
+    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]
+
+
+@REALTIME
 def test_barge_in_through_the_service_on_real_streams(running):
     """No echo path (headphones): the reply plays through the worker's 48 kHz streams, the user's "Wait,
     stop." silences it within the bound as the room hears it, and the reply is dropped."""
@@ -156,16 +174,3 @@ def test_barge_in_through_the_service_on_real_streams(running):
     assert out.barge is not None, [r["event"] for r in out.records]
     assert 0.0 < out.barge["output_silent_ms"] <= BARGE_IN_MAX_MS, out.barge
     assert out.flushed, [r["event"] for r in out.records]
-
-
-@REALTIME
-def test_no_pause_when_nobody_talks(running):
-    """The whole reply to one question, nobody talking over it and no echo path: the appliance must not
-    pause on its own (the microphone's noise floor alone comes back). With the room's echo it does not
-    hold yet (issue 18 item 3: measured here, 0 of 5 replies paused at 0 dB but 4 of 5 at +6 dB), too
-    randomly for a test: ``appliance bench interruption --room jack --echo-only N`` counts it."""
-    room, svc = running
-    out = _run(room, svc, _case("echo_only", "nobody talks", None, None))
-    assert out.valid, out.note
-    assert any(r["event"] == "turn_end" for r in out.records)
-    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]
