@@ -1,5 +1,5 @@
 """The JACK room's clock drift (:class:`appliance.audio.jack_room._DriftLine`): a smooth, exact fractional
-delay, with no gaps. Its soxr predecessor gave its output in bursts, ran its FIFO dry and put zeros and
+delay that wanders, with no gaps and no jumps. Its soxr predecessor gave its output in bursts, ran its FIFO dry and put zeros and
 delay jumps into the echo (337 samples' worth in a 2.5 min bench run, measured here)."""
 
 import numpy as np
@@ -35,16 +35,21 @@ def test_drift_shrinks_the_delay_smoothly_and_accurately():
     assert line.dry == 0
 
 
-def test_recentre_returns_to_the_nominal_delay():
-    ratio = 1 + 300e-6
-    line = _DriftLine(1185, ratio)
-    _run(line, np.zeros(10 * RATE, dtype=np.float32))  # 10 s: 144 samples of drift
-    assert line.recentre()
-    x = np.random.default_rng(2).standard_normal(RATE).astype(np.float32)
-    y = line(x)
-    # Right after the re-centring the echo is 1185 samples late again (the drift since: under a sample).
-    c = np.correlate(y[1000:1400 + 4000], x[:4000], mode="valid")
-    assert abs(int(np.argmax(c)) + 1000 - 1185) <= 1  # without the re-centring: 1185 − 144
+def test_the_wander_is_smooth_bounded_and_peaks_at_the_drift_rate():
+    """+300 ppm over a 60 s period: the delay shrinks at 300 µs/s at first, stays within ±2.9 ms of the
+    nominal 1185 samples, and never jumps (what the room does instead of re-centring in silence)."""
+    line = _DriftLine(1185, 1 + 300e-6, period=60.0 * RATE)
+    m = np.arange(0, 120 * RATE, 480, dtype=np.float64)
+    delay = m - line.positions(m)
+    assert abs(line.amplitude / RATE - 300e-6 * 60 / (2 * np.pi)) < 1e-9  # 2.86 ms
+    assert np.max(np.abs(delay - 1185)) <= line.amplitude + 1e-6
+    rate = -np.diff(delay) / 480  # change of the delay per sample
+    assert abs(rate[0] - 300e-6) < 1e-6 and np.max(np.abs(rate)) <= 300e-6 + 1e-9
+    x = np.sin(2 * np.pi * 1000.0 * np.arange(20 * RATE) / RATE).astype(np.float32)
+    y = _run(line, x)
+    ref = np.sin(2 * np.pi * 1000.0 * line.positions(np.arange(20 * RATE, dtype=np.float64)) / RATE)
+    assert np.max(np.abs(y[2000:] - ref[2000:])) < 1e-3 and line.dry == 0
+
 
 def test_the_line_runs_dry_only_when_the_drift_has_used_up_the_delay():
     line = _DriftLine(64, 1 + 0.01)  # 1 %: 64 − 16 samples of margin used up after ~4800 samples
