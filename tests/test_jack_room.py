@@ -146,8 +146,9 @@ def test_no_pause_on_its_own_echo_when_nobody_talks(running):
     microphone by count. Measured here, loaded machine, 10 echo-only replies at 0 and +6 dB each run:
     without drift, 0 paused (this code and the code before it alike); with +300 ppm of drift and the
     clipping speaker 4 paused, 2 flushed (the far end before this: 2 of 10 unloaded in the old room, 3 of
-    10 loaded in this one): the drift does not hold yet, too randomly for a test: ``appliance bench
-    interruption --room jack --echo-only N`` counts it. Here: one reply at 0 dB, linear speaker, no drift, the service's first reply (cold)."""
+    10 loaded in this one; 3 of 10, 2 flushed, once the room's drift wanders instead of jumping): the
+    drift does not hold yet, too randomly for a test: ``appliance bench interruption --room jack
+    --echo-only N`` counts it. Here: one reply at 0 dB, linear speaker, no drift, the service's first reply (cold)."""
     room, svc = running
     out = _run(room, svc, _case("echo_only", "nobody talks", None, None, echo_rel_db=0.0, echo_path=True))
     assert out.valid, out.note
