@@ -157,3 +157,18 @@ def test_far_end_resamples_in_step_with_the_microphone_and_counts_what_it_lacks(
     far.played(np.ones(48000, np.float32))  # an output clock far ahead: back to the lead
     far.take(480)
     assert far.resynced > 0 and len(far._queue) == far.lead
+
+
+def test_far_end_of_dropped_microphone_frames_is_dropped_with_them():
+    """Input blocks lost on a full socket: the next INPUT carries the played samples kept meanwhile and the
+    count of lost frames; the far end of the frames that do arrive is still the one played with them."""
+    from appliance.audio.device.host import FarEnd
+
+    far = FarEnd(16000, 16000, 160, 160, lead_blocks=1)
+    sig = np.arange(1, 4001, dtype=np.float32)
+    far.played(sig[:160])
+    a = far.take(160)  # block 0: the lead's silence
+    far.played(sig[160:800])  # blocks 1..4 played; the microphone's blocks 1..3 were lost
+    far.drop(480)
+    b = far.take(160)  # block 4 pairs with what played one lead (160) before it: block 3
+    assert not a.any() and np.array_equal(b, sig[480:640]) and far.short == 0

@@ -495,11 +495,11 @@ class DeviceAudio(AudioPort):
                     self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
             elif kind is p.Kind.INPUT:
                 flags, raw, played, frames, dropped = p.unpack_input(msg, info.in_channels)
+                far.played(played)
                 if dropped:
                     self._count(p.Flag.DROPPED)
                     far.drop(dropped)  # the far end of the lost microphone frames goes with them
                 self._count(flags & ~p.Flag.DROPPED)
-                far.played(played)
                 if flags & p.Flag.DROPPED or not frames:
                     continue
                 if info.in_channels > 1:

@@ -153,6 +153,10 @@ def run(fd: int, params: dict) -> int:
         except (BlockingIOError, OSError):
             played.extendleft(reversed(chunks))  # kept for the next block; the output only appends on the right
             dropped[0] += frames
+            # A service stalled for seconds: keep at most 2 s (a datagram is at most MAX_MSG); what goes here
+            # is the far end of frames counted as dropped, so the count shrinks with it and the pairing holds.
+            while len(played) * out_block > 2 * out_rate and dropped[0] > 0:
+                dropped[0] = max(0, dropped[0] - int(len(played.popleft()) * in_rate / out_rate))
 
     def on_output(outdata, frames, time_info, status):
         last_cb[0] = time.monotonic()
