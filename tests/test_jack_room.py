@@ -77,17 +77,19 @@ def running(server, tmp_path_factory):
             room.close()
 
 
-def test_the_far_end_reaches_the_capture_side_whole_at_48khz(server, monkeypatch):
-    """The audio worker at 48 kHz hands the capture side as much far end as microphone, aligned: the
-    microphone's 48 -> 16 kHz resampler gives its samples in bursts, and the far end of the blocks in
-    between used to be dropped (2/3 of it). White noise through a pure 30 ms echo path."""
+def test_the_far_end_reaches_the_capture_side_whole_and_in_step_at_48khz(server, monkeypatch):
+    """The audio worker at 48 kHz hands the capture side as much far end as microphone, and the echo stays
+    the same number of samples behind its far end all along: the far end is what the output callbacks
+    played, paired with the microphone by count (:class:`appliance.audio.device.host.FarEnd`), so neither
+    the output ring's fill (2 blocks, one more after each late block) nor the microphone resampler's bursts
+    move it. White noise through a pure 30 ms echo path."""
     from appliance.audio.device import DeviceAudio
     from appliance.audio.jack_room import JackRoom
 
     monkeypatch.setenv("JACK_DEFAULT_SERVER", server.name)
     room = JackRoom(f"farend{os.getpid()}", servername=server.name, echo_gain_db=0.0, noise_dbfs=None)
     rng = np.random.default_rng(5)
-    sig = (0.1 * rng.standard_normal(48000 * 8)).astype(np.float32)
+    sig = (0.1 * rng.standard_normal(48000 * 10)).astype(np.float32)
     pos = [0]
     mic, far = [], []
 
@@ -100,21 +102,27 @@ def test_the_far_end_reaches_the_capture_side_whole_at_48khz(server, monkeypatch
     dev.start(pull, lambda m, f: (mic.append(m.copy()), far.append(f.copy())))
     try:
         assert dev.wait_open(20)
-        time.sleep(5.0)
+        time.sleep(6.0)
     finally:
         dev.stop()
         room.close()
     m, f = np.concatenate(mic), np.concatenate(far)
-    assert len(m) > 16000 * 3
-    assert abs(len(f) - len(m)) <= 1600, (len(f), len(m))  # within 100 ms (the first blocks have no far end)
-    s = len(m) - 16000  # the canceller pairs the two streams sample by sample from their starts
-    a = m[s:s + 8000]
-    b = f[s - 3200:s + 8000]  # the far end up to 200 ms earlier
-    c = np.correlate(b, a, mode="valid")  # c[k]: a against b[k:], i.e. the echo 3200 - k samples late
-    k = int(np.argmax(np.abs(c)))
-    lag_ms = (3200 - k) / 16.0
-    corr = float(c[k] / np.sqrt(np.dot(a, a) * np.dot(b[k:k + len(a)], b[k:k + len(a)])))
-    assert corr > 0.5 and 30.0 <= lag_ms <= 200.0, (corr, lag_ms)
+    assert len(m) > 16000 * 4
+    assert len(f) == len(m)  # the two 16 kHz streams in step, sample for sample
+
+    def lag(s):  # the canceller pairs the two streams sample by sample from their starts
+        a = m[s:s + 8000]
+        b = f[s - 3200:s + 8000]  # the far end up to 200 ms earlier
+        c = np.correlate(b, a, mode="valid")  # c[k]: a against b[k:], i.e. the echo 3200 - k samples late
+        k = int(np.argmax(np.abs(c)))
+        corr = float(c[k] / np.sqrt(np.dot(a, a) * np.dot(b[k:k + len(a)], b[k:k + len(a)])))
+        return 3200 - k, corr
+
+    (first, c1), (last, c2) = lag(16000), lag(len(m) - 16000)
+    # Measured here: 523 samples (32.7 ms: 30 ms of room, one JACK period of the room's loop, the
+    # streams' latencies, minus FarEnd's 20 ms lead) from the first second to the last.
+    assert c1 > 0.5 and c2 > 0.5, (c1, c2)
+    assert first == last and 0 < first < 3200, (first, last)
 
 
 def _case(kind, label, audio, text, delay=0.6, echo_rel_db=0.0, echo_path=False):
@@ -128,6 +136,24 @@ def _run(room, svc, case):
 
     question = load_audio(ROOT / "demo" / "question.wav")
     return run_case(case, room, svc, reply_level=-19.0, question=question, timeout_s=30.0)
+
+
+@REALTIME
+def test_no_pause_on_its_own_echo_when_nobody_talks(running):
+    """The whole reply to one question through the room's echo path (30 ms, RT60 150 ms, as loud at the
+    microphone as a user), nobody talking over it: the appliance must not pause on its own voice. This is
+    the canceller on real streams: its far end is what the worker's output played, paired with the
+    microphone by count. Measured here, loaded machine, 10 echo-only replies at 0 and +6 dB each run:
+    without drift, 0 paused (this code and the code before it alike); with +300 ppm of drift and the
+    clipping speaker 4 paused, 2 flushed (the far end before this: 2 of 10 unloaded in the old room, 3 of
+    10 loaded in this one; 3 of 10, 2 flushed, once the room's drift wanders instead of jumping): the
+    drift does not hold yet, too randomly for a test: ``appliance bench interruption --room jack
+    --echo-only N`` counts it. Here: one reply at 0 dB, linear speaker, no drift, the service's first reply (cold)."""
+    room, svc = running
+    out = _run(room, svc, _case("echo_only", "nobody talks", None, None, echo_rel_db=0.0, echo_path=True))
+    assert out.valid, out.note
+    assert any(r["event"] == "turn_end" for r in out.records)
+    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]
 
 
 @REALTIME
@@ -148,16 +174,3 @@ def test_barge_in_through_the_service_on_real_streams(running):
     assert out.barge is not None, [r["event"] for r in out.records]
     assert 0.0 < out.barge["output_silent_ms"] <= BARGE_IN_MAX_MS, out.barge
     assert out.flushed, [r["event"] for r in out.records]
-
-
-@REALTIME
-def test_no_pause_when_nobody_talks(running):
-    """The whole reply to one question, nobody talking over it and no echo path: the appliance must not
-    pause on its own (the microphone's noise floor alone comes back). With the room's echo it does not
-    hold yet (issue 18 item 3: measured here, 0 of 5 replies paused at 0 dB but 4 of 5 at +6 dB), too
-    randomly for a test: ``appliance bench interruption --room jack --echo-only N`` counts it."""
-    room, svc = running
-    out = _run(room, svc, _case("echo_only", "nobody talks", None, None))
-    assert out.valid, out.note
-    assert any(r["event"] == "turn_end" for r in out.records)
-    assert out.interrupted == 0 and not out.flushed, [r["event"] for r in out.records]

@@ -79,8 +79,14 @@ def test_room_port_plays_the_room_through_the_fader():
 
 
 def test_protocol_messages_round_trip():
-    flags, raw = p.unpack_input(p.pack_input(p.Flag.INPUT_OVERFLOW, np.ones(4, np.float32).tobytes()))
-    assert flags == p.Flag.INPUT_OVERFLOW and raw.tolist() == [1.0] * 4
+    flags, raw, played, frames, dropped = p.unpack_input(
+        p.pack_input(p.Flag.INPUT_OVERFLOW, np.ones(4, np.float32).tobytes(), np.full(3, 2.0, np.float32).tobytes(),
+                     frames=2, dropped=5), channels=2)
+    assert flags == p.Flag.INPUT_OVERFLOW and raw.tolist() == [1.0] * 4 and played.tolist() == [2.0] * 3
+    assert (frames, dropped) == (2, 5)
+    flags, raw, played, frames, _ = p.unpack_input(p.pack_input(p.Flag.DROPPED, b"", np.ones(2, np.float32).tobytes(),
+                                                                frames=480))
+    assert len(raw) == 0 and played.tolist() == [1.0] * 2 and frames == 480
     assert p.unpack_request(p.pack_request(320, p.Flag.LATE, 7)) == (320, p.Flag.LATE, 7)
     gen, data = p.unpack_data(p.pack_data(3, np.arange(3, dtype=np.float32)))
     assert gen == 3 and data.tolist() == [0.0, 1.0, 2.0]
@@ -115,3 +121,54 @@ def test_worker_ring_flags_late_and_grows_its_target():
     ring.fill(out, 160)  # the first callback may find the ring empty: not late
     want, flags, _ = ring.fill(out, 160)
     assert flags & p.Flag.LATE and ring.target == 480
+
+
+def test_far_end_is_what_played_paired_by_count_whatever_the_callback_order():
+    """The far end handed with each microphone block is the played samples, `lead` samples later, however
+    the output callbacks' samples arrive (a block early, a block late, two at once): the pairing only
+    depends on the counts, so the echo's delay behind the far end never changes."""
+    from appliance.audio.device.host import FarEnd
+
+    far = FarEnd(16000, 16000, 160, 160, lead_blocks=2)
+    assert far.lead == 320
+    sig = np.arange(1, 16001, dtype=np.float32)
+    got = []
+    arrivals = [0, 2, 1, 0, 3, 1, 1, 2, 0, 2] * 10  # played blocks arriving with each microphone block
+    pos = 0
+    for k in arrivals:
+        far.played(sig[pos:pos + 160 * k])
+        pos += 160 * k
+        got.append(far.take(160))
+    out = np.concatenate(got)
+    assert far.short == 0 and far.resynced == 0
+    assert np.array_equal(out[:320], np.zeros(320)) and np.array_equal(out[320:], sig[:len(out) - 320])
+
+
+def test_far_end_resamples_in_step_with_the_microphone_and_counts_what_it_lacks():
+    from appliance.audio.device.host import FarEnd, _Stream
+
+    far, mic_rs = FarEnd(48000, 48000, 480, 480, lead_blocks=1), _Stream(48000, 16000)
+    x = np.random.default_rng(3).standard_normal(480 * 50).astype(np.float32)
+    for i in range(50):
+        far.played(x[i * 480:(i + 1) * 480])
+        assert len(far.take(480)) == len(mic_rs(x[i * 480:(i + 1) * 480]))  # the same bursts
+    far.take(480 * 3)  # the output stopped: 2 blocks short of what the lead covers
+    assert far.short == 480 * 2
+    far.played(np.ones(48000, np.float32))  # an output clock far ahead: back to the lead
+    far.take(480)
+    assert far.resynced > 0 and len(far._queue) == far.lead
+
+
+def test_far_end_of_dropped_microphone_frames_is_dropped_with_them():
+    """Input blocks lost on a full socket: the next INPUT carries the played samples kept meanwhile and the
+    count of lost frames; the far end of the frames that do arrive is still the one played with them."""
+    from appliance.audio.device.host import FarEnd
+
+    far = FarEnd(16000, 16000, 160, 160, lead_blocks=1)
+    sig = np.arange(1, 4001, dtype=np.float32)
+    far.played(sig[:160])
+    a = far.take(160)  # block 0: the lead's silence
+    far.played(sig[160:800])  # blocks 1..4 played; the microphone's blocks 1..3 were lost
+    far.drop(480)
+    b = far.take(160)  # block 4 pairs with what played one lead (160) before it: block 3
+    assert not a.any() and np.array_equal(b, sig[480:640]) and far.short == 0

@@ -10,11 +10,18 @@ gets what the appliance plays. Every JACK period the room
 1. reads the ``ear`` block (what the appliance played: the ground truth of its output),
 2. passes it through the loudspeaker: ``linear``, or ``clip`` (a 3 W speaker driven hard: ``tanh`` soft
    clipping, then a band-limited small-speaker response, 300 Hz–6.5 kHz, windowed-sinc FIR),
-3. through the clock drift: the echo resampled by ``1 + drift_ppm·1e-6`` with a streaming soxr resampler
-   (a speaker crystal running ``drift_ppm`` fast relative to the microphone's; the echo's delay shrinks
-   by ``drift_ppm`` µs every second). While the appliance has been silent for a second, the accumulated
-   drift is re-centred to the nominal delay, as a device's ring resynchronises (counted in
-   :attr:`JackRoom.recentred`): each reply drifts from the nominal delay by ``drift_ppm`` over its length,
+3. through the clock drift and the pure delay: a delay line read at a varying rate with windowed-sinc
+   interpolation (:class:`_DriftLine`). The echo's delay wanders smoothly around ``echo_delay_ms``,
+   ``delay + A·sin(2πt/T)`` with ``T`` = :data:`WANDER_S`, so that its rate of change peaks at
+   ``drift_ppm`` (300 ppm: the delay shrinks or grows by up to 300 µs a second, ±2.9 ms around the nominal
+   delay over 60 s). Speaker and microphone on one JACK clock cannot show the drift in their sample
+   counts (as two real crystals would), so an endless drift would run the echo ahead of the sound that
+   makes it; a bounded smooth wander is what an adaptive resampler between two clocks leaves. (Before:
+   a streaming soxr resampler into a FIFO, re-centred to the nominal delay after each second of
+   silence. soxr gives its output in bursts of 820 or 1640 samples per 1024 in, so the FIFO ran dry:
+   337 samples of zeros in a 2.5 min run, measured here, each a gap in the echo and a jump in its delay;
+   and every re-centring made the next reply's echo jump by the drift of the one before, up to 2.4 ms: a
+   discontinuity no real room has, at the start of the replies where the service paused.)
 4. through the room's echo path: ``echo_delay_ms`` of pure delay, then the room impulse response the
    simulated room uses (:func:`appliance.audio.room.synthetic_ir`, resampled to the server's rate, unit
    energy), at ``echo_gain_db`` (FFT overlap-save convolution),
@@ -91,6 +98,67 @@ class _OverlapSave:
         return y.astype(np.float32)
 
 
+WANDER_S = 60.0  # the period of the echo delay's wander, s (see the module docstring)
+
+
+class _DriftLine:
+    """A delay line read at a varying rate: the output's sample ``m`` is the input at position
+    ``m − delay + A·sin(2πm/period)`` (fractional), by windowed-sinc interpolation (``taps`` taps, Kaiser
+    window; at 48 kHz its error is under −90 dB at 6 kHz). ``A = (ratio − 1)·period/2π``, so the reading
+    rate peaks at ``ratio`` input samples per output sample (at ``m = 0``: the delay starts shrinking);
+    ``period`` None: the rate is ``ratio`` throughout, ``m·ratio − delay``. An integer position (ratio 1)
+    is an exact integer delay. Streaming, one block in and one block of the same length out.
+
+    :param delay: the nominal delay, samples (more than ``A + taps // 2``).
+    """
+
+    def __init__(self, delay: int, ratio: float, period: Optional[float] = None, taps: int = 32):
+        self.ratio = float(ratio)
+        self.period = period
+        self.amplitude = 0.0 if period is None else (self.ratio - 1.0) * period / (2 * np.pi)
+        self.half = taps // 2
+        self._kaiser = np.kaiser(taps, 8.0)
+        self.delay = int(delay)
+        self._line = np.zeros(self.delay + int(abs(self.amplitude)) + 2 * taps, dtype=np.float32)
+        self._start = -len(self._line)  # the input index of _line[0]
+        self._written = 0  # input samples written (= output samples made)
+        self.dry = 0  # output samples that would have needed input not yet written (read as the newest)
+
+    def positions(self, m: np.ndarray) -> np.ndarray:
+        """The input positions read for output samples ``m``."""
+        if self.period is None:
+            return m * self.ratio - self.delay
+        return m - self.delay + self.amplitude * np.sin(2 * np.pi * m / self.period)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n = len(x)
+        m = self._written + np.arange(n, dtype=np.float64)
+        self._line = np.concatenate([self._line, np.asarray(x, dtype=np.float32)])
+        self._written += n
+        pos = self.positions(m)
+        newest = self._written - 1 - self.half  # the last position whose kernel is all written
+        late = pos > newest
+        if late.any():
+            self.dry += int(late.sum())
+            pos = np.minimum(pos, newest)
+        base = np.floor(pos)
+        frac = pos - base
+        if not frac.any():
+            y = self._line[(base - self._start).astype(np.int64)]
+        else:
+            k = np.arange(-self.half + 1, self.half + 1)  # taps around the position
+            w = np.sinc(k[None, :] - frac[:, None]) * self._kaiser[None, :]
+            w /= w.sum(axis=1, keepdims=True)  # unity gain at DC whatever the fraction
+            idx = (base - self._start).astype(np.int64)[:, None] + k[None, :]
+            y = np.einsum("ij,ij->i", self._line[idx], w).astype(np.float32)
+        # Keep what the next blocks can still read: the delay plus the wander's amplitude and a kernel.
+        keep = len(self._line) - (self.delay + int(abs(self.amplitude)) + 2 * self.half + 2)
+        if keep > 0:
+            self._line = self._line[keep:]
+            self._start += keep
+        return y
+
+
 @dataclass
 class Utterance:
     """A scripted sound and its ground truth, frame times of the room's server (None until it plays)."""
@@ -121,7 +189,8 @@ class JackRoom:
         echo path. Change it between scenarios with :meth:`set_echo`.
     :param echo_delay_ms: pure delay before the impulse response, ms.
     :param impulse_response: float32 at 16 kHz (unit energy after resampling); None: a single tap.
-    :param drift_ppm: the speaker's clock relative to the microphone's, ppm (0: one clock).
+    :param drift_ppm: the speaker's clock relative to the microphone's at its fastest, ppm: the peak rate of
+        the echo delay's wander (0: one clock; see the module docstring).
     :param speaker: ``"linear"`` or ``"clip"``.
     :param clip_drive: the soft clipper's drive (``clip`` only).
     :param noise_dbfs: the microphone's noise floor, white, dBFS RMS (None: digital silence).
@@ -155,9 +224,7 @@ class JackRoom:
         self.frame0: Optional[int] = None
         self.frames = 0  # the last callback's frame time + its frames
         self.last_loud: Optional[int] = None  # the last frame the appliance was heard (peak ≥ −50 dBFS)
-        self._quiet_since: Optional[int] = None
-        self.recentred = 0
-        self.underruns = 0  # echo samples the drift resampler had not produced in time (zeros instead)
+        self.underruns = 0  # echo samples the drift ran ahead of what was played (never with the wander)
         self.callbacks = 0
         self._cycles: list[tuple[float, float, int]] = []  # (monotonic − frame/rate, monotonic, frame) a callback
         self._gain: Optional[float] = None
@@ -181,15 +248,8 @@ class JackRoom:
             delay = max(0, delay - (len(bp) - 1) // 2)  # the band-pass's group delay is part of the path
         self._fir = _OverlapSave(ir.astype(np.float32))
         self._delay = delay
-        self._fifo = np.zeros(delay, dtype=np.float32)  # the pure delay, drained by the drift
-        self._rs = None
-        self._fed = self._made = 0  # samples into and out of the drift resampler
-        self._recentre_due = False
-        if self.drift_ppm:
-            import soxr
-
-            self._rs = soxr.ResampleStream(rate * (1.0 + self.drift_ppm * 1e-6), rate, 1, dtype="float32",
-                                           quality="HQ")
+        self._line = _DriftLine(delay, 1.0 + self.drift_ppm * 1e-6, period=WANDER_S * rate if self.drift_ppm else None)
+        self.wander_ms = round(1000.0 * abs(self._line.amplitude) / rate, 2)
         self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
 
     def set_echo(self, echo_gain_db: Optional[float]) -> None:
@@ -309,9 +369,6 @@ class JackRoom:
                     if u.start is None and u.after_delay is not None:
                         u.start = first_loud + u.after_delay
                 self.last_loud = f0 + int(loud[-1])
-                self._quiet_since = None
-            elif self._quiet_since is None:
-                self._quiet_since = f0
             gain = self._gain
             mic = self._echo(ear, f0, frames, gain)
             if self._noise is not None:
@@ -337,27 +394,8 @@ class JackRoom:
         x = ear
         if self.speaker == "clip":
             x = soft_clip(x, self.clip_drive)
-        if self._rs is not None:
-            self._fed += len(x)
-            x = self._rs.resample_chunk(x)
-            self._made += len(x)
-            if self._quiet_since is None:
-                self._recentre_due = True
-            elif self._recentre_due and f0 - self._quiet_since >= self.rate:
-                # A second of silence: re-centre the accumulated drift (zeros in, zeros out). The delay in
-                # effect is what the FIFO holds after this period plus what the resampler still holds.
-                self._recentre_due = False
-                backlog = self._fed / (1.0 + self.drift_ppm * 1e-6) - self._made
-                level = int(round(self._delay - backlog)) + frames - len(x)
-                if abs(len(self._fifo) - level) >= self.rate // 1000:
-                    self._fifo = np.zeros(max(0, level), dtype=np.float32)
-                    self.recentred += 1
-        self._fifo = np.concatenate([self._fifo, x])
-        take = self._fifo[:frames]
-        if len(take) < frames:
-            self.underruns += frames - len(take)
-            take = np.concatenate([take, np.zeros(frames - len(take), dtype=np.float32)])
-        self._fifo = self._fifo[frames:]
+        take = self._line(x)
+        self.underruns = self._line.dry
         y = self._fir(take)
         if gain is None:
             return np.zeros(frames, dtype=np.float32)

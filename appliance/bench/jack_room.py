@@ -433,7 +433,7 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
             "room": "jack", "drift_ppm": drift_ppm, "speaker": speaker,
             "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
             "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
-                     "drift_recentred": room.recentred},
+                     "drift_wander_ms": room.wander_ms},
             "erle_db": None,
             "not_run": ["cold_barge_in", "next_reply", "erle_db (inside the service)"],
             "model": "tiny random-weight Gemma 4 test fixture (hears; nonsense replies spoken by Piper)",

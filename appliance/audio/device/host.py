@@ -13,7 +13,8 @@ and the KV cache in the service process never notice more than an ``error`` stat
 Data path (:mod:`.protocol`): the reader thread answers the worker's output requests with ``pull(n)``
 (the playback buffer at ``playback_rate``, resampled to the device's rate with a streaming soxr resampler
 when they differ), and hands each input block, mixed to mono and resampled to 16 kHz, to ``capture`` with
-the far end (what was handed to the output since the previous block, at 16 kHz). Pause, resume and flush
+the far end: what the output callbacks actually played, paired with the microphone by sample count on the
+device's clock (:class:`FarEnd`). Pause, resume and flush
 fade at the worker, on its ring (measured here on the JACK dummy server: the ring held 672 samples,
 42 ms at 16 kHz, at a pause, which used to play before the fade).
 
@@ -80,6 +81,78 @@ class _Stream:
         return self._rs.resample_chunk(x)
 
 
+class FarEnd:
+    """The canceller's far end on sound devices: the samples the worker's output callbacks played (after its
+    fader, so fades, pauses, flushes and late blocks are in it exactly as the card got them), paired with the
+    microphone by sample count on the device's clock, and resampled to 16 kHz in the same chunks as the
+    microphone, so that the two 16 kHz streams stay in step sample for sample.
+
+    Pairing: each ``frames`` microphone frames take ``frames·out_rate/in_rate`` played samples from a queue
+    that starts with ``lead_blocks`` blocks of silence, so a microphone block whose output callback has not
+    run yet (callback order, one period of jitter) still finds its far end. The far end thus leads its echo
+    by the output and input latencies plus the acoustic path, minus the lead: a constant while the streams
+    run, whatever the output ring holds (2-8 blocks) and however late the service answered it.
+
+    Why (measured here, JACK room, echo 6 dB over the user's voice): the far end used to be what the service
+    handed to the worker when it asked for more, so the echo's delay behind it changed with the ring's
+    fill: by a block after every late block (the ring's target grows), and by the whole held ring at every
+    pause (the canceller consumed what the ring still held as played while the speaker was silent, and the
+    resumed samples then played with no far end at all): one pause set off the next.
+
+    :param in_rate: the microphone's rate, Hz. :param out_rate: the speaker's rate, Hz.
+    :param in_block: microphone block, frames. :param out_block: output block, frames.
+    :param lead_blocks: the queue's initial silence, in the larger of the two blocks.
+    :param max_ahead_s: played samples queued beyond the lead by more than this (an output clock faster than
+        the microphone's) are dropped down to the lead, s.
+    """
+
+    def __init__(self, in_rate: int, out_rate: int, in_block: int, out_block: int, lead_blocks: int = 2,
+                 max_ahead_s: float = 0.2):
+        self.ratio = out_rate / in_rate
+        self.lead = lead_blocks * max(out_block, int(round(in_block * self.ratio)))
+        self.max_queue = self.lead + int(max_ahead_s * out_rate)
+        self._queue = np.zeros(self.lead, dtype=np.float32)  # played samples not yet paired
+        self._frac = 0.0
+        self._rs = _Stream(out_rate, MODEL_RATE)
+        self.short = 0  # played samples missing at pairing (silence instead; each shifts the alignment)
+        self.resynced = 0  # played samples dropped because the output ran ahead
+        self.level = (len(self._queue), len(self._queue))  # (min, max) queue length at pairing, samples
+
+    def played(self, x: np.ndarray) -> None:
+        """Samples the output played (float32, ``out_rate``)."""
+        if len(x):
+            self._queue = np.concatenate([self._queue, x])
+
+    def _count(self, frames: int) -> int:
+        exact = frames * self.ratio + self._frac
+        n = int(exact)
+        self._frac = exact - n
+        return n
+
+    def _pop(self, frames: int) -> np.ndarray:
+        q = len(self._queue)
+        self.level = (min(self.level[0], q), max(self.level[1], q))
+        n = self._count(frames)
+        seg = self._queue[:n]
+        self._queue = self._queue[n:]
+        if len(seg) < n:
+            self.short += n - len(seg)
+            seg = np.concatenate([seg, np.zeros(n - len(seg), dtype=np.float32)])
+        if len(self._queue) > self.max_queue:
+            self.resynced += len(self._queue) - self.lead
+            self._queue = self._queue[len(self._queue) - self.lead:]
+        return seg
+
+    def drop(self, frames: int) -> None:
+        """``frames`` microphone frames were lost: their far end goes too (the resampler is not fed)."""
+        self._pop(frames)
+
+    def take(self, frames: int) -> np.ndarray:
+        """The far end of the next ``frames`` microphone frames at 16 kHz (as many samples as the microphone's
+        resampler gives for them when the rates are equal)."""
+        return self._rs(self._pop(frames))
+
+
 @dataclass
 class _Link:
     proc: subprocess.Popen
@@ -144,6 +217,7 @@ class DeviceAudio(AudioPort):
         self._turn_mark = dict(self.xruns)
         self._paused = False  # the output is paused at the worker (kept across a worker restart)
         self._drop_fifo = False
+        self.far_end: Optional[FarEnd] = None  # the open worker's far-end pairing (its counters)
 
     # --- public ---
     @property
@@ -372,10 +446,12 @@ class DeviceAudio(AudioPort):
         info = link.info
         assert info is not None
         to_dev = _Stream(self.playback_rate, info.out_rate)
-        far_rs = _Stream(self.playback_rate, MODEL_RATE)
         mic_rs = _Stream(info.in_rate, MODEL_RATE)
         fifo = np.zeros(0, dtype=np.float32)  # device-rate samples resampled but not yet sent
-        far: list[np.ndarray] = []
+        far = FarEnd(info.in_rate, info.out_rate, info.in_block, info.out_block)
+        self.far_end = far
+        far_wait: list[np.ndarray] = []  # 16 kHz far end waiting for microphone samples
+        inputs = 0
         sock = link.sock
         sock.settimeout(max(self.stall_s, 0.2) + 1.0)
         reason = None
@@ -409,7 +485,6 @@ class DeviceAudio(AudioPort):
                     while len(fifo) < want:
                         n = want - len(fifo) if to_dev._rs is None else step
                         block = np.asarray(self.pull(n), dtype=np.float32)
-                        far.append(far_rs(block))
                         fifo = np.concatenate([fifo, to_dev(block)])
                     out, fifo = fifo[:want], fifo[want:]
                     try:
@@ -419,20 +494,28 @@ class DeviceAudio(AudioPort):
                         break
                     self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
             elif kind is p.Kind.INPUT:
-                flags, raw = p.unpack_input(msg)
-                if flags & p.Flag.DROPPED:
+                flags, raw, played, frames, dropped = p.unpack_input(msg, info.in_channels)
+                far.played(played)
+                if dropped:
                     self._count(p.Flag.DROPPED)
+                    far.drop(dropped)  # the far end of the lost microphone frames goes with them
+                self._count(flags & ~p.Flag.DROPPED)
+                if flags & p.Flag.DROPPED or not frames:
                     continue
-                self._count(flags)
                 if info.in_channels > 1:
                     raw = raw.reshape(-1, info.in_channels).mean(axis=1)
                 mic = mic_rs(raw.astype(np.float32))
+                far_wait.append(far.take(frames))
+                inputs += 1
+                if inputs % 1000 == 0 and log.isEnabledFor(logging.DEBUG):
+                    log.debug("far end: queue %d..%d samples (lead %d), %d short, %d resynced",
+                              far.level[0], far.level[1], far.lead, far.short, far.resynced)
+                    far.level = (far.lead, far.lead)
                 if len(mic):
-                    # The far end waits for the next microphone samples: the resampler gives them in bursts
-                    # (soxr HQ 48 -> 16 kHz: nothing for two 10 ms blocks, then 30 ms), and a far end handed
-                    # over with an empty block was lost (2/3 of it at 48 kHz, measured in the JACK room).
-                    far_end = np.concatenate(far) if far else np.zeros(0, dtype=np.float32)
-                    far = []
+                    # The resamplers give their samples in bursts (soxr HQ 48 -> 16 kHz: nothing for two 10 ms
+                    # blocks, then 30 ms); the far end waits with the microphone's.
+                    far_end = np.concatenate(far_wait)
+                    far_wait = []
                     self.capture(mic, far_end)
             elif kind is p.Kind.LOST:
                 try:

@@ -5,7 +5,8 @@ One ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair; every message is one datagram wh
 for output, interleaved ``in_channels`` for input, at the device's rates. Integers are little-endian
 unsigned 32-bit.
 
-Worker → service: ``INPUT`` (flags, samples), ``REQUEST`` (samples wanted, flags, generation),
+Worker → service: ``INPUT`` (flags, microphone samples, the samples the output played since the previous
+``INPUT``), ``REQUEST`` (samples wanted, flags, generation),
 ``SILENT``, ``READY`` / ``ERROR`` / ``LOST`` (JSON). Service → worker: ``DATA`` (generation, samples),
 ``PAUSE``, ``RESUME``, ``FLUSH``, ``CONFIGURE`` (JSON), ``QUIT``.
 
@@ -27,7 +28,9 @@ MAX_MSG = 1 << 20  # bytes: the largest datagram either side reads (1 s of 48 kH
 class Kind(bytes, Enum):
     """The first byte of every message."""
 
-    INPUT = b"I"  # worker → service: <flags:u32> then float32 [frames * in_channels]
+    INPUT = b"I"  # worker → service: <flags:u32><frames:u32><dropped:u32> then float32 [frames * in_channels]
+    #   (none when flagged DROPPED), then float32 [rest]: what the output callbacks played since the previous
+    #   INPUT (the far end, at out_rate); `dropped`: input frames lost since the previous INPUT
     REQUEST = b"O"  # worker → service: <want:u32><flags:u32><generation:u32>: send `want` output samples
     DATA = b"D"  # service → worker: <generation:u32> then float32 [n] output samples at out_rate
     PAUSE = b"P"  # service → worker: fade out the ring and hold it
@@ -61,6 +64,7 @@ FLAG_KEYS = ((Flag.INPUT_UNDERFLOW, "input_underflow"), (Flag.INPUT_OVERFLOW, "i
 
 _U32 = struct.Struct("<I")
 _REQ = struct.Struct("<III")
+_IN = struct.Struct("<III")
 
 
 def kind_of(msg: bytes) -> Kind | None:
@@ -71,14 +75,20 @@ def kind_of(msg: bytes) -> Kind | None:
         return None
 
 
-def pack_input(flags: int, samples: bytes = b"") -> bytes:
-    return Kind.INPUT.value + _U32.pack(int(flags)) + samples
+def pack_input(flags: int, samples: bytes = b"", played: bytes = b"", frames: int = 0, dropped: int = 0) -> bytes:
+    """``samples``: the block's interleaved float32 bytes (``frames`` frames; empty for a dropped block);
+    ``played``: float32 bytes the output played since the previous INPUT; ``dropped``: input frames lost
+    (on a full socket) since the previous INPUT."""
+    return Kind.INPUT.value + _IN.pack(int(flags), int(frames), int(dropped)) + samples + played
 
 
-def unpack_input(msg: bytes) -> tuple[Flag, np.ndarray]:
-    """(flags, float32 interleaved samples; empty for a dropped block)."""
-    (flags,) = _U32.unpack_from(msg, 1)
-    return Flag(flags), np.frombuffer(msg[1 + _U32.size:], dtype=np.float32)
+def unpack_input(msg: bytes, channels: int = 1) -> tuple[Flag, np.ndarray, np.ndarray, int, int]:
+    """(flags, float32 interleaved microphone samples (empty for a dropped block), float32 samples the
+    output played since the previous INPUT, the block's frames, input frames dropped before it)."""
+    flags, frames, dropped = _IN.unpack_from(msg, 1)
+    body = np.frombuffer(msg[1 + _IN.size:], dtype=np.float32)
+    n = 0 if flags & Flag.DROPPED else frames * channels
+    return Flag(flags), body[:n], body[n:], frames, dropped
 
 
 def pack_request(want: int, flags: int, generation: int) -> bytes:

@@ -4,8 +4,9 @@ It opens the two streams by name, shuttles blocks over the socket (:mod:`.protoc
 from a :class:`~appliance.audio.fader.Fader` ring, watches for a device that stops calling back, and exits
 hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead device.
 
-- input callback: copy the block and send it without blocking; a full socket drops the block, and an
-  empty ``INPUT`` flagged ``DROPPED`` says so.
+- input callback: copy the block and send it without blocking, with what the output callbacks played since
+  the previous block (the far end, exactly as the card got it); a full socket drops the block (the next
+  ``INPUT`` says how many frames were lost, and carries the played samples kept meanwhile).
 - output callback: read ``frames`` samples from the ring (silence, flagged ``LATE``, when it ran dry while
   playing), then ask for as many samples as keep the ring at its target: 2 blocks to start, one more after
   each late block, up to 8.
@@ -25,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from typing import Optional
 
 from ..fader import FadeState, Fader, fade_samples
@@ -133,15 +135,28 @@ def run(fd: int, params: dict) -> int:
     ring = OutputRing(out_block, fade_samples(out_rate, float(params.get("fade_ms", 8.0))))
     last_cb = [0.0]
 
+    # What the output callbacks played (after the fader: fades, pauses and late blocks included), handed to
+    # the service with the next input block: the canceller's far end, sample-exact and on the device's own
+    # clock, whatever the ring held or the service was doing.
+    played: deque = deque()
+    dropped = [0]  # input frames lost on a full socket since the last INPUT sent
+
     def on_input(indata, frames, time_info, status):
         last_cb[0] = time.monotonic()
+        chunks = []
+        while played:
+            chunks.append(played.popleft())
+        out = b"".join(c.tobytes() for c in chunks)
         try:
-            rt.send(p.pack_input(getattr(status, "_flags", 0), indata.tobytes()))
+            rt.send(p.pack_input(getattr(status, "_flags", 0), indata.tobytes(), out, frames, dropped[0]))
+            dropped[0] = 0
         except (BlockingIOError, OSError):
-            try:
-                rt.send(p.pack_input(p.Flag.DROPPED))
-            except OSError:
-                pass
+            played.extendleft(reversed(chunks))  # kept for the next block; the output only appends on the right
+            dropped[0] += frames
+            # A service stalled for seconds: keep at most 2 s (a datagram is at most MAX_MSG); what goes here
+            # is the far end of frames counted as dropped, so the count shrinks with it and the pairing holds.
+            while len(played) * out_block > 2 * out_rate and dropped[0] > 0:
+                dropped[0] = max(0, dropped[0] - int(len(played.popleft()) * in_rate / out_rate))
 
     def on_output(outdata, frames, time_info, status):
         last_cb[0] = time.monotonic()
@@ -150,6 +165,8 @@ def run(fd: int, params: dict) -> int:
             want, more, silent = ring.fill(outdata[:, 0], frames)  # a view: the fader writes the card's buffer
             gen = ring.generation
         flags |= more
+        if din is not None:
+            played.append(outdata[:, 0].copy())
         if outdata.shape[1] > 1:
             outdata[:, 1:] = outdata[:, :1]
         if want > 0 or flags:
