@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from appliance.bench import jack_room
@@ -65,3 +66,93 @@ def test_bench_idle_cpu_measures_the_listening_service_and_its_worker(tmp_path):
         assert abs(w["tree"] - w["service"] - w["children"]) <= 0.02, w
     assert summary["listening_cpu_pct_min"] <= summary["listening_cpu_pct"] <= summary["listening_cpu_pct_max"]
     assert summary["listening_cpu_pct"] < 25.0, summary  # measured here 6.7-7.5 % before issue 18's cuts
+
+
+# --- the VAD while nobody is answered: one Silero stream ---
+
+def _speech_with_pauses():
+    """The demo's question and "Wait." and a human recording if there is one, 0.3-1.2 s apart, over a −70 dBFS
+    noise floor: onsets, confirmed starts, pauses inside a turn and ends."""
+    from pathlib import Path
+
+    from appliance.audio.files import load_audio
+
+    demo = Path(__file__).resolve().parent.parent / "demo"
+    parts = [load_audio(demo / "question.wav"), load_audio(demo / "wait.wav")]
+    alsa = Path("/usr/share/sounds/alsa/Front_Center.wav")
+    if alsa.exists():
+        parts.append(load_audio(alsa))
+    gaps = [0.5, 0.3, 1.2, 0.7]
+    out = [np.zeros(8000, np.float32)]
+    for k, a in enumerate(parts * 2):
+        out += [a, np.zeros(int(gaps[k % len(gaps)] * 16000), np.float32)]
+    x = np.concatenate(out + [np.zeros(16000, np.float32)])
+    return x + (10 ** (-70 / 20) * np.random.default_rng(1).standard_normal(len(x))).astype(np.float32)
+
+
+def _events(audio, both: bool):
+    from appliance.vad import SileroVad, VadSegmenter
+
+    seg = VadSegmenter(SileroVad())
+    seg.both_streams = both
+    calls = [0, 0]
+    for k, stream in enumerate(seg._streams):
+        def counted(w, _p=stream.probability, _k=k):
+            calls[_k] += 1
+            return _p(w)
+        stream.probability = counted
+    events = []
+    for i in range(0, len(audio), 480):  # 30 ms blocks, as the 48 kHz device's resampler delivers them
+        events += seg.push(audio[i:i + 480])
+    return [(e.kind, e.t_sample) for e in events], calls
+
+
+def test_one_stream_gives_the_same_events_within_a_hop_at_half_the_inference():
+    audio = _speech_with_pauses()
+    both, calls_both = _events(audio, True)
+    one, calls_one = _events(audio, False)
+    assert [k for k, _ in one] == [k for k, _ in both], (one, both)
+    assert [k for k, _ in both].count("end") >= 3  # turns that ended, not one long utterance
+    assert max(abs(a - b) for (_, a), (_, b) in zip(one, both)) <= 256, (one, both)  # one hop, 16 ms
+    assert calls_one[1] == 0 and calls_one[0] == calls_both[0]  # the second stream never ran
+
+
+def test_the_second_stream_starts_afresh_when_both_are_needed_again():
+    """After a stretch with one stream, the second one's windows are exactly a new stream's (Silero's
+    reference input from its reset), not a stream resumed across the gap."""
+    from appliance.vad import SileroVad, VadSegmenter
+
+    audio = _speech_with_pauses()[: 6 * 16000]
+    seg = VadSegmenter(SileroVad())
+    seen = []
+    second = seg._streams[1]
+    real = second.probability
+    second.probability = lambda w: seen.append(real(w)) or seen[-1]
+    seg.both_streams = False
+    cut = 2 * 16000 + 100  # not on a hop boundary
+    seg.push(audio[:cut])
+    assert not seen
+    seg.both_streams = True
+    seg.push(audio[cut:])
+    # The first hop with both streams back whose window ends on the second stream's phase: hops end at
+    # 256 * k; the second stream owns odd k.
+    first_end = ((cut // 256) + 1) * 256
+    if (first_end // 256) % 2 == 0:
+        first_end += 256
+    ref = SileroVad()
+    want = [ref.probability(audio[e - 512:e]) for e in range(first_end, len(audio) + 1, 512)]
+    assert len(seen) == len(want) and np.allclose(seen, want, atol=1e-6)
+
+
+def test_the_listener_runs_both_streams_only_while_the_appliance_replies():
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    replying = [False]
+    seg = VadSegmenter(SileroVad())
+    listener = Listener(seg, lambda *a, **k: None, replying=lambda: replying[0])
+    listener._process(np.zeros(480, np.float32), None)
+    assert seg.both_streams is False
+    replying[0] = True
+    listener._process(np.zeros(480, np.float32), None)
+    assert seg.both_streams is True
