@@ -156,3 +156,75 @@ def test_the_listener_runs_both_streams_only_while_the_appliance_replies():
     replying[0] = True
     listener._process(np.zeros(480, np.float32), None)
     assert seg.both_streams is True
+
+
+# --- the echo canceller while nothing plays ---
+
+def _conversation_at_the_microphone():
+    """(mic, far) float32 at 16 kHz: 2 s of a quiet room with nothing played, a reply (Piper's voice, the
+    demo's question) through a 30 ms + RT60 150 ms echo path at 0 dB with the user's "Wait." over it, 3 s of
+    silence (the echo's tail, then idle), and a second reply that the user talks over from its first 20 ms."""
+    from pathlib import Path
+
+    from appliance.audio.files import load_audio
+    from appliance.audio.room import synthetic_ir
+
+    demo = Path(__file__).resolve().parent.parent / "demo"
+    reply, user = load_audio(demo / "question.wav"), 0.5 * load_audio(demo / "wait.wav")
+    sec = 16000
+    far = np.concatenate([np.zeros(2 * sec), reply, np.zeros(3 * sec), reply, np.zeros(sec)]).astype(np.float32)
+    echo = np.convolve(np.concatenate([np.zeros(480), far]), synthetic_ir(150.0))[: len(far)]
+    near = np.zeros(len(far))
+    for at in (2 * sec + sec, 2 * sec + len(reply) + 3 * sec + 320):
+        near[at:at + len(user)] += user[: len(far) - at]
+    rng = np.random.default_rng(3)
+    mic = echo + near + 10 ** (-70 / 20) * rng.standard_normal(len(far))
+    return mic.astype(np.float32), far
+
+
+def test_idle_frames_bands_are_computed_when_the_far_end_returns_and_nothing_changes():
+    """A canceller that skips the bands of idle frames (far end digital silence in every frame kept) and one
+    that computes every frame give the same output, the same onset-gate answers after every block, and the
+    same per-frame figures, through a cold start, a reply with the user over it, silence and a second reply
+    that the user talks over from its start (the gate then reads frames from the idle stretch)."""
+    from appliance.audio.echo import EchoCanceller
+
+    mic, far = _conversation_at_the_microphone()
+    skip = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    full = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    full.skip_idle_bands = False
+    skipped = gate_checks = 0
+    for k, i in enumerate(range(0, len(mic), 480)):  # 30 ms blocks, as the 48 kHz resampler delivers them
+        outs = [ec.process(mic[i:i + 480], far[i:i + 480]) for ec in (skip, full)]
+        assert np.array_equal(outs[0], outs[1]), i
+        skipped += bool(skip._unbanded)
+        for n in (512, 1024):  # the gate, as the VAD asks it after every window (it reads no idle frame)
+            assert (skip.near_end_present(n), skip.near_end_clear(n)) == (full.near_end_present(n),
+                                                                          full.near_end_clear(n)), (i, n)
+            gate_checks += skip._band_tests(n) is not None
+        if k % 7 == 0:  # now and then a reader of the figures themselves: they are computed when read
+            a = [(ec.expected_residual_db(n), ec.high_band_ratio_db(n), ec.high_band_level_db(n), ec.is_cold(n))
+                 for ec in (skip, full) for n in (160, 512, 10240)]
+            assert a[:3] == a[3:], (i, a)
+        if not skip._unbanded:  # outside idle every frame's figures are there
+            assert skip._hb_in == full._hb_in and skip._hb_out == full._hb_out, i
+            assert all(np.array_equal(x, y) for x, y in zip(skip._band_in, full._band_in)), i
+    assert skipped > 150  # 2 s at the start, about 2 s after the echo's tail: idle, skipped
+    assert gate_checks > 100  # and the gate was asked over the replies (154 checks here)
+    assert skip.handovers == full.handovers and skip.warm == full.warm
+
+
+def test_the_hand_over_is_asked_only_when_a_band_took_a_frame(monkeypatch):
+    """Convergence depends only on the far-active frames' band figures: idle blocks do not ask it."""
+    from appliance.audio.echo import EchoCanceller
+
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    asked = []
+    real = ec.converged
+    monkeypatch.setattr(ec, "converged", lambda: asked.append(1) or real())
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ec.process((1e-3 * rng.standard_normal(480)).astype(np.float32), np.zeros(480, np.float32))
+    assert not asked
+    ec.process((1e-3 * rng.standard_normal(480)).astype(np.float32), (0.1 * rng.standard_normal(480)).astype(np.float32))
+    assert asked
