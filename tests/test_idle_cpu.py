@@ -228,3 +228,78 @@ def test_the_hand_over_is_asked_only_when_a_band_took_a_frame(monkeypatch):
     assert not asked
     ec.process((1e-3 * rng.standard_normal(480)).astype(np.float32), (0.1 * rng.standard_normal(480)).astype(np.float32))
     assert asked
+
+
+# --- the audio worker while nothing plays ---
+
+def _play_through_ring(idle_after: int, reply_at: int, reply: np.ndarray, callbacks: int, block: int = 480):
+    """The worker's output ring (worker.OutputRing) played for ``callbacks`` blocks, each request answered at
+    once by a service whose playback has only silence until callback ``reply_at``, then ``reply`` (then silence
+    again). Returns (what was played, the requests as (callback, samples, flags))."""
+    from appliance.audio.device.worker import OutputRing
+
+    ring = OutputRing(block, 96, idle_after=idle_after)
+    source = [np.zeros(0, np.float32)]
+    sent = [0]
+
+    def pull(n, k):
+        if k >= reply_at and sent[0] < len(reply):
+            chunk = reply[sent[0]:sent[0] + n]
+            sent[0] += len(chunk)
+            return np.concatenate([chunk, np.zeros(n - len(chunk), np.float32)])
+        return np.zeros(n, np.float32)
+
+    ring.receive(ring.generation, pull(ring.prime(), 0))
+    played, requests = [], []
+    for k in range(callbacks):
+        out = np.zeros(block, np.float32)
+        want, flags, _ = ring.fill(out, block)
+        played.append(out)
+        if want or flags:
+            requests.append((k, want, flags))
+        if want:
+            ring.receive(ring.generation, pull(want, k))
+    return np.concatenate(played), requests
+
+
+def test_an_idle_ring_asks_for_several_blocks_at_once_and_plays_the_same_samples():
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.worker import IDLE_REQUEST_BLOCKS
+
+    rng = np.random.default_rng(2)
+    reply = (0.1 * rng.standard_normal(48000)).astype(np.float32)  # 1 s at 48 kHz
+    block = 480
+    busy, busy_req = _play_through_ring(0, 100, reply, 400)
+    idle, idle_req = _play_through_ring(9600, 100, reply, 400)
+    late = lambda reqs: [r for r in reqs if r[2] & p.Flag.LATE]  # noqa: E731
+    assert not late(busy_req) and not late(idle_req)  # never ran dry
+    # Idle: a quarter of the requests before the reply; every block asked for again while it plays.
+    before = [r for r in idle_req if 30 <= r[0] < 100]  # idle from 0.2 s (20 blocks) of silence on
+    assert before and all(r[2] & p.Flag.IDLE and r[1] == IDLE_REQUEST_BLOCKS * block for r in before)
+    assert len([r for r in busy_req if 30 <= r[0] < 100]) >= IDLE_REQUEST_BLOCKS * (len(before) - 1)
+    during = [r for r in idle_req if 110 <= r[0] < 190]
+    assert during and all(r[1] == block and not r[2] & p.Flag.IDLE for r in during)
+    # The same samples, none lost or repeated: the reply starts at most IDLE_REQUEST_BLOCKS - 1 blocks later.
+    start = lambda x: int(np.flatnonzero(x)[0])  # noqa: E731
+    lag = start(idle) - start(busy)
+    assert 0 <= lag <= (IDLE_REQUEST_BLOCKS - 1) * block, lag
+    assert np.array_equal(idle[start(idle):start(idle) + len(reply)], reply)
+    assert np.array_equal(busy[start(busy):start(busy) + len(reply)], reply)
+
+
+def test_a_paused_ring_is_never_idle():
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.worker import OutputRing
+
+    ring = OutputRing(480, 96, idle_after=960)
+    ring.receive(ring.generation, np.zeros(ring.prime(), np.float32))
+    for _ in range(4):
+        want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
+        ring.receive(ring.generation, np.zeros(want, np.float32))
+    assert ring.idle
+    ring.control(p.Kind.PAUSE)
+    assert not ring.idle
+    ring.control(p.Kind.RESUME)
+    assert ring.idle
+    ring.receive(ring.generation, np.ones(10, np.float32))  # a reply's samples: busy at once
+    assert not ring.idle
