@@ -13,8 +13,10 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   for ``IDLE_REQUEST_BLOCKS`` blocks at a time, flagged ``IDLE``, once it is below its target, and the
   input callback sends every ``IDLE_INPUT_BLOCKS`` blocks in one ``INPUT``: a quarter of the output's
   messages and half the input's while nothing plays (each message wakes a thread in each process). The
-  first samples of a reply may then wait up to ``IDLE_REQUEST_BLOCKS`` − 1 blocks longer to be asked
-  for; once they are non-zero, every block is asked for and sent again. A pause (a barge-in) is never
+  price: the first samples of a reply may wait up to ``IDLE_REQUEST_BLOCKS`` − 1 blocks longer to be
+  asked for, and while idle (a user's turn included) every other microphone block reaches the service one
+  block later (10 ms at the default block; at 48 kHz soxr hands the service 30 ms at a time anyway).
+  Once non-zero samples arrive, every block is asked for and sent again. A pause (a barge-in) is never
   idle.
 - ``PAUSE``/``RESUME``/``FLUSH``: the ring's fader fades out over ``fade_ms`` of what it holds and keeps
   the rest (pause) or drops it (flush), and fades back in on resume; ``SILENT`` says a fade out reached
