@@ -233,7 +233,7 @@ class EchoCanceller:
         self.cold_log: list[tuple] = []  # (frame, expected residual dB) of the cold windows the gate refused, if record
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
         # Idle (the far end digital silence in every frame kept): the microphone's and the output's bands are
-        # computed only when the far end returns, for the newest UNBANDED_FRAMES frames (see process).
+        # computed only when the far end returns or a reader asks (see process, _fill_bands). False: every frame.
         self.skip_idle_bands = True
         self._unbanded: list[tuple[int, np.ndarray, np.ndarray]] = []  # (frame number, near, out) [FRAME] each
 
