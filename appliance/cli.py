@@ -247,6 +247,16 @@ def cmd_bench_interruption(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_idle_cpu(args: argparse.Namespace) -> int:
+    from .bench import jack_room
+
+    cfg = _config(args)
+    jack_room.idle(cfg, _json_out(args), seconds=args.seconds, runs=args.runs, drift_ppm=args.drift_ppm,
+                   speaker=args.speaker, rate=args.jack_rate, period=args.jack_period,
+                   print_line=lambda s: print(s, flush=True))
+    return 0
+
+
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     from .bench import latency
     from .pipeline import Parts
@@ -355,6 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--jack-period", type=int, default=1024, help="--room jack: frames per JACK period")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
+
+    sp = bench.add_parser("idle-cpu", help="CPU of the listening service and its audio worker, nothing said: "
+                                           "`appliance run` on a JACK server of its own, as --room jack starts it")
+    sp.add_argument("--json", help="write the summary to this JSON file")
+    sp.add_argument("--seconds", type=float, default=30.0, help="length of each measuring window, s (default 30)")
+    sp.add_argument("--runs", type=int, default=3, help="consecutive windows (default 3)")
+    sp.add_argument("--drift-ppm", type=float, default=0.0, help="the room's speaker clock drift, ppm")
+    sp.add_argument("--speaker", choices=("linear", "clip"), default="linear", help="the room's speaker")
+    sp.add_argument("--jack-rate", type=int, default=48000, help="the JACK server's rate, Hz")
+    sp.add_argument("--jack-period", type=int, default=1024, help="frames per JACK period")
+    common(sp, embedded=False)
+    sp.set_defaults(func=cmd_bench_idle_cpu)
 
     sp = bench.add_parser("latency", help="end of turn and answer speed: EOT delay, premature EOTs, audio left at "
                                           "EOT, streamed vs whole clip, Pi 5 projection (real time, minutes)")

@@ -96,11 +96,15 @@ class Listener:
         reaches neither the VAD nor the model.
     :param interjecting: ``() -> bool``, read per block: the reply is paused for the user (the conversation
         is ``interrupted``), so a short silence ends the interjection.
+    :param replying: ``() -> bool``, read per block: the appliance is answering (thinking, speaking or
+        interrupted), so a barge-in may come: the VAD runs both of its phase-shifted streams (a probability
+        every 16 ms); otherwise one (every 32 ms, half the inference; see ``VadSegmenter.both_streams``).
     """
 
     def __init__(self, segmenter: VadSegmenter, post: Callable[..., None], echo=None,
                  transcript_at: Optional[Callable[[int], Optional[str]]] = None, *,
-                 muted: Callable[[], bool] = lambda: False, interjecting: Callable[[], bool] = lambda: False):
+                 muted: Callable[[], bool] = lambda: False, interjecting: Callable[[], bool] = lambda: False,
+                 replying: Callable[[], bool] = lambda: True):
         self.segmenter = segmenter
         self.post = post
         self.echo = echo
@@ -108,6 +112,7 @@ class Listener:
         self.wake = None  # the wake-word detector (listen.mode: wake_word), see configure()
         self._muted = muted
         self._interjecting = interjecting
+        self._replying = replying
         self.stream = None  # the streamed pre-fill's feed (``stream(utterance so far, at_pause)``), see configure()
         self.stream_step = 8000  # feed every this many new samples of confirmed speech, and at each pause
         self._fed = 0
@@ -207,6 +212,7 @@ class Listener:
             return  # a muted microphone reaches neither the VAD nor the model
         # While the reply is paused for the user, a short silence ends the interjection (then decide).
         self.segmenter.interjecting = self._interjecting()
+        self.segmenter.both_streams = self._replying()  # the second Silero stream only while a barge-in may come
         if self.echo is not None and far is not None:
             mic = self.echo.process(mic, far)
         wake = self.wake

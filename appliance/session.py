@@ -87,8 +87,10 @@ class Session:
         parts.vad.reset()
         self.segmenter = VadSegmenter(parts.vad)
         conv = self.conversation
+        replying = (State.THINKING, State.SPEAKING, State.INTERRUPTED)
         self.listener = Listener(self.segmenter, self._post, transcript_at=transcript_at,
-                                 muted=lambda: conv.muted, interjecting=lambda: conv.interjecting)
+                                 muted=lambda: conv.muted, interjecting=lambda: conv.interjecting,
+                                 replying=lambda: conv.state in replying)
         self.listener.configure(vad=cfg.vad, interruption=cfg.interruption, end_of_turn=self._end_of_turn(cfg),
                                 wake=detector_from_config(cfg),
                                 echo=echo if echo is not None else self.build_echo(cfg), **self._stream(parts.engine, cfg.model))

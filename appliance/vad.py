@@ -79,6 +79,7 @@ class SileroVad:
         """Forget the recurrent state and the context (start of a new stream)."""
         self._state = np.zeros((2, 1, 128), dtype=np.float32)
         self._context = np.zeros(CONTEXT, dtype=np.float32)
+        self.last = 0.0  # the last probability returned
 
     def probability(self, window: np.ndarray) -> float:
         """Speech probability of one window.
@@ -92,7 +93,8 @@ class SileroVad:
         x = np.concatenate([self._context, window.astype(np.float32, copy=False)])[None, :]
         out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._sr})
         self._context = x[0, -CONTEXT:].copy()
-        return float(out[0, 0])
+        self.last = float(out[0, 0])
+        return self.last
 
 
 @dataclass
@@ -137,6 +139,14 @@ class VadSegmenter:
     0–32 ms) for twice the inference cost (one 512-sample window every 16 ms: about 0.6 ms each on x86_64
     here, measured). ``hop=512`` is the single stream of Silero's reference.
 
+    ``both_streams`` False (the listener sets it while the appliance is not replying): the second stream
+    is not run, and its hops reuse the first stream's last probability, so every hop still advances the
+    hysteresis (silence, the end-of-turn calls, the utterance's audio) but a probability is new only every
+    32 ms, at half the inference cost. Events come at most one hop (16 ms) away from both streams' (their
+    kinds the same on the tests' speech); the barge-in's early onset needs both. When it is set again the
+    second stream starts afresh (:meth:`SileroVad.reset`, as the reference starts a stream), not from the
+    state it had before the gap.
+
     While :attr:`interjecting` is True (the appliance has paused its reply for the user's speech), an
     utterance ends after ``interjection_silence_ms`` of silence instead of ``min_silence_ms``, so that a
     backchannel is decided, and the reply resumed, within 400 ms of its end (200 ms of silence + at most one
@@ -177,6 +187,7 @@ class VadSegmenter:
     onset_low_threshold: float = 0.2
     early_onsets: int = 0  # candidates started by onset_evidence below threshold
     hop: int = HOP
+    both_streams: bool = True  # False: the second stream is skipped (see the class notes)
     # Optional end-of-turn model (appliance.eot): ``end_of_turn(utterance) -> probability`` that the user has
     # finished. With it, a confirmed utterance (not an interjection) ends when the model, asked at a pause of
     # ``short_stop_ms`` and again at ``end_of_turn_confirm_ms`` of the same pause, says complete both times
@@ -212,6 +223,7 @@ class VadSegmenter:
         self._history: list[np.ndarray] = []  # recent windows for lead-in
         self._settle_from: Optional[int] = None  # end of the last speech after an interjection, samples
         self._eot_asked: Optional[tuple] = None  # (_last_voice, probability, final?) of this pause's EOT call(s)
+        self._second_skipped = False  # the second stream missed windows (both_streams was False)
 
     def configure(self, threshold: float, min_speech_ms: int, min_silence_ms: int, max_utterance_s: float,
                   interjection_silence_ms: int, short_stop_ms: int = 200, end_of_turn_threshold: float = 0.5,
@@ -286,7 +298,13 @@ class VadSegmenter:
             if self._hops * h < WINDOW:  # the first window is not complete yet
                 self._n += h
                 continue
-            stream = self._streams[self._hops % len(self._streams)]
+            k = self._hops % len(self._streams)
+            stream = self._streams[k]
+            if k and not self.both_streams:
+                stream, self._second_skipped = _Held(self._streams[0]), True
+            elif k and self._second_skipped:
+                stream.reset()  # it missed windows: a fresh stream, not one resumed across a gap
+                self._second_skipped = False
             events.extend(self._window(self._window_buf, new, stream))
         return events
 
@@ -295,7 +313,8 @@ class VadSegmenter:
         ``new``, have not been seen before."""
         t0 = time.perf_counter()
         p = stream.probability(w)
-        self.infer_ms.append((time.perf_counter() - t0) * 1000.0)
+        if not isinstance(stream, _Held):
+            self.infer_ms.append((time.perf_counter() - t0) * 1000.0)
         if len(self.infer_ms) > 4096:
             del self.infer_ms[:2048]
         self._n += len(new)
@@ -390,3 +409,13 @@ class VadSegmenter:
         """An utterance or candidate ended: after an interjection, start (again) counting toward ``settled``."""
         if self.interjecting or self._settle_from is not None:
             self._settle_from = self._last_voice
+
+
+class _Held:
+    """A hop without inference (``VadSegmenter.both_streams`` False): the given stream's last probability."""
+
+    def __init__(self, stream: SileroVad):
+        self._stream = stream
+
+    def probability(self, window: np.ndarray) -> float:
+        return self._stream.last

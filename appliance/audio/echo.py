@@ -93,6 +93,7 @@ _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 _BAND_OF_BIN = np.digitize(_FREQS, BAND_EDGES_HZ[1:-1])  # bin -> band index 0..3
 N_BANDS = len(BAND_EDGES_HZ) - 1
 BACKENDS = ("webrtc", "speex")
+UNBANDED_FRAMES = 64  # idle frames whose bands are computed when read: as many as the per-frame lists keep
 
 
 def _to_i16(x: np.ndarray) -> np.ndarray:
@@ -238,6 +239,10 @@ class EchoCanceller:
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
         self._floor_hold_until = 0  # frames before this one stay out of the floors (see _keep_onset_out)
         self._lt_new = 0  # far-end frames the floors took since the gate last passed (see _keep_onset_out)
+        # Idle (the far end digital silence in every frame kept): the microphone's and the output's bands are
+        # computed only when the far end returns or a reader asks (see process, _fill_bands). False: every frame.
+        self.skip_idle_bands = True
+        self._unbanded: list[tuple[int, np.ndarray, np.ndarray]] = []  # (frame number, near, out) [FRAME] each
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -279,11 +284,26 @@ class EchoCanceller:
         out_f = out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
         self.clamped += _never_louder(out_f, e_out, e_in)
-        b_in, b_out = _band_energies(near), _band_energies(out_f)
+        # Idle: the far end digital silence in this block and in every frame kept (64, more than the onset
+        # gate's look-back of the window and the echo tail). Then the bands of the microphone and of the
+        # output are read by nobody: the gate reads them only while the far end is recent, and the bands'
+        # floors only over far-active frames. They are kept as zeros and computed when the far end returns
+        # or a reader asks (_fill_bands), for every frame the per-frame lists still hold.
+        far_silent = not np.any(far)
+        idle = self.skip_idle_bands and far_silent and not any(self._ratio_far)
+        if not idle and self._unbanded:
+            self._fill_bands()
+        if idle:
+            b_in = b_out = np.zeros((n, N_BANDS))
+            self._unbanded += [(self.frames + i, near[i].copy(), out_f[i].copy()) for i in range(n)]
+            del self._unbanded[:-UNBANDED_FRAMES]
+        else:
+            b_in, b_out = _band_energies(near), _band_energies(out_f)
         hb_in, hb_out = b_in[:, -1], b_out[:, -1]  # the last band is the high band (>= HB_HZ)
         # The far end's bands only serve the cold start (band floors, hand-over): no FFT of it once warm.
         # While nothing plays the far end is digital silence: its bands are zero without an FFT.
-        b_far = None if self.warm else (_band_energies(far) if np.any(far) else np.zeros((n, N_BANDS)))
+        b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else _band_energies(far))
+        grew = False  # a band's floor got a frame (only then can the hand-over become due)
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
@@ -300,17 +320,20 @@ class EchoCanceller:
                 continue  # the bands' floors only decide the hand-over, which is done
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
+            if far_silent:
+                continue  # no band played
             for b in np.nonzero(b_far[i] >= FAR_BAND_ACTIVE * FRAME)[0]:
                 self._lt_band_in[b].append(float(b_in[i, b]))
                 self._lt_band_out[b].append(float(b_out[i, b]))
                 self._lt_band_far[b].append(float(b_far[i, b]))
+                grew = True
         for buf in (self._ratio_in, self._ratio_out, self._ratio_far, self._hb_in, self._hb_out, self._band_in,
                     self._band_far):
             del buf[:-64]
         for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out, *self._lt_band_in,
                     *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
-        self._update_mode(n)
+        self._update_mode(n, grew)
         if self._stand_in_fed():
             out = self._stand_in.process(self._near[:need], self._far[:need])
             self.stand_in_frames += n
@@ -323,6 +346,22 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
+
+    def _fill_bands(self) -> None:
+        """The bands of the idle frames the per-frame lists hold (``_unbanded``), computed now that the far
+        end plays again or a reader asks for them, in their places in those lists."""
+        if not self._unbanded:
+            return
+        frames, near, out = zip(*self._unbanded)
+        self._unbanded = []
+        b_in, b_out = _band_energies(np.stack(near)), _band_energies(np.stack(out))
+        for j, f in enumerate(frames):
+            back = self.frames - f  # 1: the newest frame in the lists
+            if back > len(self._hb_in):
+                continue
+            self._hb_in[-back], self._hb_out[-back] = float(b_in[j, -1]), float(b_out[j, -1])
+            if not self.warm and back <= len(self._band_in):
+                self._band_in[-back] = b_in[j]
 
     # --- convergence, band by band, and the cold-start stand-in ---
 
@@ -357,6 +396,7 @@ class EchoCanceller:
         the microphone is digitally silent). None before any frame or when neither carries any energy."""
         if not self._band_in:
             return None
+        self._fill_bands()
         k = max(1, n // FRAME)
         weights = np.sum(self._band_in[-k:], axis=0)
         if weights.sum() < 1e-12:
@@ -390,14 +430,15 @@ class EchoCanceller:
         never pauses on itself."""
         return not self.warm and self._stand_in is not None
 
-    def _update_mode(self, n: int) -> None:
+    def _update_mode(self, n: int, grew: bool = True) -> None:
         """Hand over from the stand-in to Speex once :meth:`converged`, for good: from then on the
         converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
         the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
-        measured here. A new echo path gets a new canceller: a device reopened, a reload.)"""
+        measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
+        floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if self.converged():
+        if grew and self.converged():
             self.warm, self._stand_in = True, None
             self.handovers += 1
             return
@@ -441,6 +482,7 @@ class EchoCanceller:
         when the microphone's high band is quieter than ``HB_MIN_POWER`` (the ratio would be noise)."""
         if not self._hb_in:
             return None
+        self._fill_bands()
         k = max(1, n // FRAME)
         e_in = sum(self._hb_in[-k:])
         if e_in < HB_MIN_POWER * k * FRAME:
@@ -452,6 +494,7 @@ class EchoCanceller:
         2 s of far-end frames but the newest 300 ms, dB; None before 0.5 s of those."""
         if len(self._lt_hb_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4 or not self._hb_in:
             return None
+        self._fill_bands()
         k = max(1, n // FRAME)
         now = sum(self._hb_in[-k:]) / k
         kept = self._lt_hb_in[:-FLOOR_LAG_FRAMES]  # not the newest 300 ms, as for the floor (_floor_db)

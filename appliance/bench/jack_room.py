@@ -116,6 +116,11 @@ class JackServer:
 
 def tree_ticks(root: int) -> int:
     """utime + stime (clock ticks) of ``root`` and all its descendants alive now, from ``/proc``."""
+    return sum(tree_ticks_by_pid(root).values())
+
+
+def tree_ticks_by_pid(root: int) -> dict[int, int]:
+    """utime + stime (clock ticks) of ``root`` and of each of its descendants alive now, by pid, from ``/proc``."""
     children: dict[int, list[int]] = {}
     ticks: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -130,12 +135,12 @@ def tree_ticks(root: int) -> int:
         pid, ppid = int(entry), int(rest[1])
         children.setdefault(ppid, []).append(pid)
         ticks[pid] = int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15)
-    total, todo = 0, [root]
+    out, todo = {}, [root]
     while todo:
         pid = todo.pop()
-        total += ticks.get(pid, 0)
+        out[pid] = ticks.get(pid, 0)
         todo.extend(children.get(pid, []))
-    return total
+    return out
 
 
 # --- the service under test ---
@@ -260,10 +265,20 @@ class CpuMeter:
 
 def idle_cpu_pct(pid: int, seconds: float) -> float:
     """CPU of ``pid``'s tree over ``seconds`` of wall time, % of one core."""
-    t0, k0 = time.monotonic(), tree_ticks(pid)
+    return idle_cpu_split(pid, seconds)["tree"]
+
+
+def idle_cpu_split(pid: int, seconds: float) -> dict:
+    """CPU of ``pid``'s tree over ``seconds`` of wall time, % of one core (CPU time from ``/proc``, so a
+    loaded machine slows the service's work without adding to it much): ``tree`` (``pid`` and every
+    descendant alive at the end), ``service`` (``pid`` alone) and ``children`` (the rest: the audio worker)."""
+    t0, k0 = time.monotonic(), tree_ticks_by_pid(pid)
     time.sleep(seconds)
-    t1, k1 = time.monotonic(), tree_ticks(pid)
-    return round(100.0 * (k1 - k0) / CLK_TCK / (t1 - t0), 2)
+    t1, k1 = time.monotonic(), tree_ticks_by_pid(pid)
+    pct = lambda ticks: round(100.0 * ticks / CLK_TCK / (t1 - t0), 2)  # noqa: E731
+    own = k1.get(pid, 0) - k0.get(pid, 0)
+    kids = sum(k - k0.get(q, 0) for q, k in k1.items() if q != pid)  # a child born in the window: all its ticks
+    return {"tree": pct(own + kids), "service": pct(own), "children": pct(kids)}
 
 
 # --- the suite ---
@@ -451,6 +466,68 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
     finally:
         if meter is not None:
             meter.stop()
+        if svc is not None:
+            svc.stop()
+        if room is not None:
+            room.close()
+        server.stop()
+
+
+# --- idle CPU alone ---
+
+def idle(cfg: Config, json_path: Optional[Path], seconds: float = 30.0, runs: int = 3, drift_ppm: float = 0.0,
+         speaker: str = "linear", rate: int = 48000, period: int = 1024, settle_s: float = 3.0,
+         print_line: Callable[[str], None] = print, server_name: Optional[str] = None) -> dict:
+    """``appliance bench idle-cpu``: the service started as ``bench interruption --room jack`` starts it (its
+    own JACK server, the room as its sound device, the tiny Gemma 4 fixture), nothing played and nobody
+    talking; ``listening_cpu_pct`` (:func:`idle_cpu_split`) over ``runs`` consecutive windows of ``seconds``
+    each after ``settle_s``. Writes the JSON: each window's tree/service/worker %, their median, min, max.
+
+    :raises UserError: no jackd, or the service does not reach ``listening``.
+    """
+    if runs < 1 or seconds <= 0:
+        raise UserError("bench idle-cpu: --runs must be at least 1 and --seconds above 0")
+    # A server of its own name: a benchmark's room on appliance-room48 would add its load to the same jackd.
+    server = JackServer(server_name or f"appliance-idle{rate // 1000}", rate, period).start()
+    work = Path(tempfile.mkdtemp(prefix="appliance-idle-cpu-"))
+    room = svc = None
+    try:
+        room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
+                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
+        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, server.env())
+        print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods); the service's "
+                   f"log: {work / 'service.log'}")
+        if not svc.wait_state("listening", 300):
+            raise UserError(f"the service did not reach listening in 300 s (it is {svc.state}); see {work / 'service.log'}")
+        time.sleep(settle_s)  # the worker's streams and the first blocks, as bench interruption --room jack
+        windows = []
+        for k in range(runs):
+            w = idle_cpu_split(svc.proc.pid, seconds)
+            w["state"] = svc.state
+            windows.append(w)
+            print_line(f"window {k + 1}/{runs}: {w['tree']} % of one core (service {w['service']} %, audio worker "
+                       f"{w['children']} %), state {w['state']}")
+        trees = [w["tree"] for w in windows]
+        summary = {
+            "listening_cpu_pct": float(np.median(trees)),
+            "listening_cpu_pct_min": min(trees), "listening_cpu_pct_max": max(trees),
+            "service_cpu_pct": float(np.median([w["service"] for w in windows])),
+            "worker_cpu_pct": float(np.median([w["children"] for w in windows])),
+            "windows": windows, "seconds": seconds, "runs": runs, "room": "jack", "drift_ppm": drift_ppm,
+            "speaker": speaker, "jack": {"server": server.name, "rate": room.rate, "period": period},
+            "measure": "CPU time (utime + stime, /proc) of the service and its descendants, % of one core",
+            "model": "tiny random-weight Gemma 4 test fixture",
+            "config": {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,
+                       "listen_mode": cfg.listen.mode, "end_of_turn": cfg.vad.end_of_turn},
+        }
+        if any(w["state"] != "listening" for w in windows):
+            summary["note"] = "the service left listening during a window: not idle"
+        text = json.dumps(summary, indent=2)
+        print_line(text)
+        if json_path:
+            Path(json_path).write_text(text + "\n", encoding="utf-8")
+        return summary
+    finally:
         if svc is not None:
             svc.stop()
         if room is not None:

@@ -492,7 +492,8 @@ class DeviceAudio(AudioPort):
                     except OSError as exc:
                         reason = f"the audio worker's socket failed ({exc})"
                         break
-                    self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
+                    if not flags & p.Flag.IDLE:  # an idle request asks for several blocks at once (worker.py)
+                        self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
             elif kind is p.Kind.INPUT:
                 flags, raw, played, frames, dropped = p.unpack_input(msg, info.in_channels)
                 far.played(played)
