@@ -6,7 +6,7 @@ import json
 import llama_cpp
 import pytest
 
-from appliance.bench import latency
+from appliance.bench import FIXTURE_GGUF, FIXTURE_MMPROJ, latency
 from appliance.engine import Engine
 from appliance.pipeline import Parts
 
@@ -50,7 +50,7 @@ def test_a_question_in_the_room_is_pre_filled_while_it_is_spoken(parts, embedded
     opening and that feed (the likely cause; not reproduced)."""
     monkeypatch.setattr("appliance.assistant.turn_context_source",
                         lambda cfg, clock=None: (lambda: "[Tuesday, December 1, 2026, 11:50 AM]"))
-    tiny = Engine(latency.FIXTURE / "tiny-gemma4.gguf", latency.FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=2048,
+    tiny = Engine(FIXTURE_GGUF, FIXTURE_MMPROJ, n_ctx=2048,
                   n_threads=1, max_reply_tokens=6, temperature=0.0, kv_cache_type="f16", system_prompt="Be brief.",
                   stream_prefill=stream)
     hearing = Parts(tiny, parts.tts, parts.vad, parts.eot)
@@ -105,7 +105,7 @@ def test_the_projection_models_the_final_pause_feed_and_the_decode_floor():
 def test_the_pi_figures_are_measured_with_the_engine_and_leave_its_cache_alone(parts):
     """measure_pi_figures (what hw-tests measures on the Pi with E2B) on the tiny Gemma 4 and Piper here:
     every figure the projection takes, positive, and the engine's cache as it was."""
-    tiny = Engine(latency.FIXTURE / "tiny-gemma4.gguf", latency.FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=2048,
+    tiny = Engine(FIXTURE_GGUF, FIXTURE_MMPROJ, n_ctx=2048,
                   n_threads=1, max_reply_tokens=6, temperature=0.0, kv_cache_type="f16", system_prompt="Be brief.")
     before = tiny.n_past
     figures = latency.measure_pi_figures(tiny, parts.tts, repeats=1)

@@ -32,9 +32,9 @@ import numpy as np
 
 from ..audio.files import MODEL_RATE
 from ..engine import Engine
+from . import FIXTURE_GGUF, FIXTURE_MMPROJ
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_gemma4"
 QUESTIONS = ["What is a rainbow?", "Why is the sky blue?", "How far away is the moon?", "What do bees eat?",
              "Tell me a fact about whales.", "How hot is the sun?", "What is rain made of?"]
 
@@ -172,7 +172,7 @@ def run(text_model: Path, json_path: Optional[Path], n_turns: int = 50, examples
     """Bench both models. ``n_threads``: llama.cpp threads; on a machine shared with other work, 1 avoids
     the stalls of llama.cpp's spinning thread pool when a core is taken away."""
     report = {
-        "audio_model": bench_model(FIXTURE / "tiny-gemma4.gguf", FIXTURE / "tiny-gemma4-mmproj.gguf", audio=True,
+        "audio_model": bench_model(FIXTURE_GGUF, FIXTURE_MMPROJ, audio=True,
                                    n_turns=n_turns, n_threads=n_threads),
         "text_model": bench_model(Path(text_model), None, audio=False, n_turns=n_turns, examples=examples,
                                   n_threads=n_threads),

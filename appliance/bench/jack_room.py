@@ -50,14 +50,13 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
-from ..audio.files import MODEL_RATE
 from ..audio.jack_room import SILENT_PEAK, JackRoom
 from ..audio.room import synthetic_ir
 from ..config import Config
 from ..errors import UserError
 from . import interruption as sim
+from . import FIXTURE, FIXTURE_GGUF, FIXTURE_MMPROJ
 
-FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tiny_gemma4"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TIMELINE_TAG = " appliance.service: {"
 
@@ -148,10 +147,10 @@ def tree_ticks_by_pid(root: int) -> dict[int, int]:
 def service_config(base: Config, room_name: str, state_dir: Path, max_reply_tokens: int = 64) -> dict:
     """The config the service runs with: ``base`` with the room as its sound device, the tiny Gemma 4
     fixture as its model, GPIO off and its state in ``state_dir``."""
-    if not (FIXTURE / "tiny-gemma4.gguf").is_file():
+    if not FIXTURE_GGUF.is_file():
         raise UserError(f"the tiny Gemma 4 fixture is missing ({FIXTURE}); the JACK room runs from a checkout")
     data = base.model_dump(mode="json")
-    data["model"].update(gguf=str(FIXTURE / "tiny-gemma4.gguf"), mmproj=str(FIXTURE / "tiny-gemma4-mmproj.gguf"),
+    data["model"].update(gguf=str(FIXTURE_GGUF), mmproj=str(FIXTURE_MMPROJ),
                          n_ctx=1700, history_budget_tokens=512, max_reply_tokens=max_reply_tokens, n_threads=1)
     data["audio"].update(input=room_name, output=room_name, retry_max_s=1.0)
     data["gpio"]["enabled"] = False

@@ -46,8 +46,8 @@ from ..events import Ev
 from ..pipeline import Parts, Timeline, jsonable
 from ..session import Session
 from .interruption import USER_DBFS, AudioCache, active_dbfs, at_level
+from . import FIXTURE_GGUF, FIXTURE_MMPROJ
 
-FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tiny_gemma4"
 ALSA = Path("/usr/share/sounds/alsa")
 ALSA_RECORDINGS = ("Front_Center.wav", "Rear_Center.wav")
 VOICES = ("joe", "en-us+f3", "en-gb+m3")
@@ -166,7 +166,7 @@ class FixtureEar:
     def __init__(self, left_context_s: float, final_at_pause: bool = True):
         from ..engine import Engine, EngineWorker
 
-        self.engine = Engine(FIXTURE / "tiny-gemma4.gguf", FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=4096,
+        self.engine = Engine(FIXTURE_GGUF, FIXTURE_MMPROJ, n_ctx=4096,
                              n_threads=1, max_reply_tokens=1, temperature=0.0, kv_cache_type="f16",
                              system_prompt="Be brief.", stream_prefill=True, stream_left_context_s=left_context_s,
                              stream_final_at_pause=final_at_pause)
@@ -345,7 +345,7 @@ def streamed_vs_whole(questions: list[np.ndarray], left_context_s: float, step_s
     from ..engine import Engine
 
     def engine(stream: bool, left: float) -> Engine:
-        return Engine(FIXTURE / "tiny-gemma4.gguf", FIXTURE / "tiny-gemma4-mmproj.gguf", n_ctx=2048, n_threads=2,
+        return Engine(FIXTURE_GGUF, FIXTURE_MMPROJ, n_ctx=2048, n_threads=2,
                       max_reply_tokens=1, temperature=0.0, kv_cache_type="f16", system_prompt="Be brief.",
                       stream_prefill=stream, stream_left_context_s=left)
 

@@ -38,9 +38,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..config import Config
+from . import FIXTURE_GGUF, FIXTURE_MMPROJ
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_gemma4"
 QUESTION_WAV = ROOT / "demo" / "question.wav"
 QUESTIONS = ["What is a rainbow?", "Why is the sky blue?", "How far away is the moon?", "What do bees eat?",
              "Tell me a fact about whales.", "How hot is the sun?", "What is rain made of?",
@@ -52,8 +52,8 @@ def fixture_config() -> Config:
     """The tiny Gemma 4 fixture, sized by the rule ``check-config`` applies (n_ctx ≥ 1.5 × budget + reply
     + one 30 s turn: 768 + 32 + 766 = 1566)."""
     cfg = Config()
-    cfg.model.gguf = str(FIXTURE / "tiny-gemma4.gguf")
-    cfg.model.mmproj = str(FIXTURE / "tiny-gemma4-mmproj.gguf")
+    cfg.model.gguf = str(FIXTURE_GGUF)
+    cfg.model.mmproj = str(FIXTURE_MMPROJ)
     cfg.model.n_ctx = 1600
     cfg.model.history_budget_tokens = 512
     cfg.model.max_reply_tokens = 32
