@@ -261,6 +261,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     from .bench import latency
     from .pipeline import Parts
 
+    if args.offline:
+        return latency.offline_main(["--offline", "--cache", args.cache])
     cfg = _config(args)
     json_out = _json_out(args)
     parts = Parts.load(cfg, persist=False)
@@ -367,7 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_bench_interruption)
 
     sp = bench.add_parser("idle-cpu", help="CPU of the listening service and its audio worker, nothing said: "
-                                           "`appliance run` on a JACK server of its own, as --room jack starts it")
+                                           "`appliance run` on a JACK server of its own, as --room jack starts it",
+                          description="Starts `appliance run` with the tiny Gemma 4 test fixture (a checkout's "
+                                      "tests/fixtures) on a JACK dummy server of its own (needs jackd2, as "
+                                      ".ci/run installs), waits in `listening`, then measures RUNS windows of "
+                                      "SECONDS each (about 100 s with the defaults). CPU time from /proc, % of one "
+                                      "core, for the service and every descendant.")
     sp.add_argument("--json", help="write the summary to this JSON file")
     sp.add_argument("--seconds", type=float, default=30.0, help="length of each measuring window, s (default 30)")
     sp.add_argument("--runs", type=int, default=3, help="consecutive windows (default 3)")
@@ -384,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),
                     help="where generated bench speech is cached (default ~/.cache/appliance/bench-audio)")
     sp.add_argument("--quick", action="store_true", help="a small subset of the suite (a smoke run)")
+    sp.add_argument("--offline", action="store_true",
+                    help="not real time: the end-of-turn and projection levers over the suite's audio with the "
+                         "real Silero and Smart Turn, one line each (docs/latency.md; about a minute)")
     common(sp)
     sp.set_defaults(func=cmd_bench_latency)
 

@@ -288,9 +288,9 @@ class Engine:
             raise UserError(f"{path}: is not a regular file (a directory, FIFO or device); set model.gguf in the "
                             "config file to the model's .gguf file")
         if not path.is_file():
-            raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF, "
-                            "(`appliance doctor` checks the model files; replay, say and the benches can use the bundled "
-                            "test model with --embedded)")
+            raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF "
+                            "(`appliance doctor` checks the model files; replay, say and the benches can run on the "
+                            "embedded defaults with --embedded)")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
         if _gguf_architecture(path) == "clip":
             raise UserError(f"{path}: is an audio projector (GGUF architecture clip), not the language model; set "

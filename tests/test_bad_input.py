@@ -151,6 +151,8 @@ CASES = [
      "not a regular file"),
     ("audio-not-audio", lambda t: (_replay(p := t / "x.wav", t, "--embedded", "--transcript", "hi"),
                                    p.write_text("hello") and p), "not a readable audio file"),
+    ("audio-empty-file", lambda t: (_replay(p := t / "empty.wav", t, "--embedded", "--transcript", "hi"),
+                                    p.write_bytes(b"") or p), "is empty (0 bytes)"),
     # model (the real loaders)
     ("model-projector-as-model", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, MMPROJ, MMPROJ))), MMPROJ),
      "is an audio projector"),

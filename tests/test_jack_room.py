@@ -1,7 +1,8 @@
 """The short JACK-room run (issue 18): ``appliance run`` itself, as a subprocess, on real PortAudio
 streams at 48 kHz (so the worker's resampling path runs as on a Pi), in the JACK room of
-``appliance bench interruption --room jack``. A JACK dummy server of its own (``appliance-test-room48``)
-is started and stopped here; the shared 16 kHz test server is not touched.
+``appliance bench interruption --room jack``. A JACK dummy server of its own (``appliance-test-room48-<pid>``:
+two suites at once on one machine must not share it, since the one that started it stops it) is started and
+stopped here; the shared 16 kHz test server is not touched.
 
 Real parts: the service's whole assembly and audio worker, PortAudio, Silero, Piper, the tiny random
 Gemma 4 fixture (it hears; its words are nonsense). Mocked: the sound card (a JACK dummy driver) and
@@ -21,7 +22,7 @@ import pytest
 from appliance.audio.files import load_audio
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = "appliance-test-room48"
+SERVER = f"appliance-test-room48-{os.getpid()}"
 # Onset to silence as the room hears it. Measured here: 90 ms alone, 614 ms once in the full suite on a
 # loaded machine (a late onset). Real time on a shared machine, so as test_interruption.py does: a
 # behaviour that is broken fails all three runs; the benchmark measures the latency.

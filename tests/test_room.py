@@ -119,3 +119,15 @@ def test_a_scenario_yaml_error_names_where_the_construct_began(tmp_path):
     with pytest.raises(UserError, match=re.escape("invalid YAML at line 4: found unexpected end of stream "
                                                   "(while scanning a quoted scalar that began at line 3)")):
         Scenario.load(p)
+
+
+def test_a_misspelt_scenario_key_names_its_line_and_the_key_meant(tmp_path):
+    """A fresh user's ``sya:`` in the second event: the message names the line, the event and ``say``."""
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
+    p = tmp_path / "a.yaml"
+    p.write_text("events:\n  - at: 0.5\n    say: q.wav\n  - at: 3.0\n    sya: q.wav\nroom:\n  echo_gian_db: 0\n")
+    with pytest.raises(UserError, match=re.escape("line 4: event 2: unknown key(s) ['sya'] (did you mean 'say'?)")):
+        Scenario.load(p)
+    p.write_text("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  echo_gian_db: 0\n")
+    with pytest.raises(UserError, match=re.escape("room: unknown key(s) ['echo_gian_db'] (did you mean 'echo_gain_db'?)")):
+        Scenario.load(p)

@@ -118,10 +118,11 @@ def test_an_unpunctuated_reply_is_cut_at_word_boundaries_within_the_cap():
     assert cap_clauses("Short enough.") == ["Short enough."]
 
 
-def test_a_120_word_unpunctuated_reply_keeps_piper_within_100_mb_of_a_short_one():
+def test_a_120_word_unpunctuated_reply_keeps_piper_within_200_mb_of_a_short_one():
     """Real Piper in a fresh process: resident memory (VmRSS) after a short reply (one 84-character
     sentence), then after 120 words with no punctuation, which used to take Piper from about 200 MB to
-    1.7 GB and keep it there."""
+    1.7 GB and keep it there. The healthy growth (onnxruntime's arena for the longer inputs) was 60-103 MB
+    here, so the bound is 200 MB: well under the 1.5 GB it guards against."""
     import subprocess
     import sys
     from pathlib import Path
@@ -143,7 +144,7 @@ def test_a_120_word_unpunctuated_reply_keeps_piper_within_100_mb_of_a_short_one(
     assert out.returncode == 0, out.stderr[-2000:]
     short, long, rss_short, rss_long = map(float, out.stdout.split())
     assert long > 5 * short  # the whole reply was spoken, not dropped
-    assert rss_long - rss_short <= 100, (rss_short, rss_long)
+    assert rss_long - rss_short <= 200, (rss_short, rss_long)
 
 
 def test_control_characters_a_model_generates_are_not_spoken():

@@ -44,6 +44,8 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE, max_seconds: float = MA
                         "(WAV, FLAC or OGG) and give that")
     if not path.is_file():
         raise UserError(f"{path}: audio file not found; check the path (relative paths in a scenario are relative to the scenario file)")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: the file is empty (0 bytes); record or generate some speech into it")
     try:
         with sf.SoundFile(str(path)) as f:
             sr = int(f.samplerate)

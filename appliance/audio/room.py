@@ -130,6 +130,20 @@ def _number(value, what: str, low: float, high: float, unit: str) -> float:
     return x
 
 
+EVENT_KEYS = ("at", "after", "delay", "say", "text", "gain_db", "speech")
+
+
+def _did_you_mean(unknown, allowed) -> str:
+    """``" (did you mean 'say'?)"`` for the first unknown key close to an allowed one (difflib), else ``""``."""
+    import difflib
+
+    for key in sorted(str(k) for k in unknown):
+        close = difflib.get_close_matches(key, list(allowed), n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
 def _item_lines(node, key: str) -> list[int]:
     """1-based line of each item of the top-level list ``key`` in a composed YAML mapping node ([] when the
     node is not a mapping or ``key`` not a list), so that an error can name the line of the event it is about."""
@@ -193,10 +207,10 @@ class Scenario:
             where = f"{path}: line {lines[i - 1]}: event {i}" if i <= len(lines) else f"{path}: event {i}"
             if not isinstance(ev, dict):
                 raise UserError(f"{where}: must be a mapping with `say:` and `at:` or `after:`")
-            extra = set(ev) - {"at", "after", "delay", "say", "text", "gain_db", "speech"}
+            extra = set(ev) - set(EVENT_KEYS)
             if extra:
-                raise UserError(f"{where}: unknown key(s) {sorted(extra)}; allowed: at, after, delay, say, text, "
-                                "gain_db, speech")
+                raise UserError(f"{where}: unknown key(s) {sorted(extra)}{_did_you_mean(extra, EVENT_KEYS)}; "
+                                f"allowed: {', '.join(EVENT_KEYS)}")
             speech = ev.get("speech", True)
             if not isinstance(speech, bool):
                 raise UserError(f"{where}: `speech` must be true or false (false: a noise, with no `text:`)")
@@ -228,7 +242,8 @@ class Scenario:
         allowed = ["echo_gain_db", "echo_delay_ms", "rt60_ms", "impulse_response", "noise", "noise_gain_db"]
         extra = set(r) - set(allowed)
         if extra:
-            raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}; allowed: {', '.join(allowed)}")
+            raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}{_did_you_mean(extra, allowed)}; "
+                            f"allowed: {', '.join(allowed)}")
         r = dict(r)
         for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db", "rt60_ms"):
             if key in r:

@@ -617,7 +617,7 @@ def offline_eot(cases: list[Case], vad, end_of_turn: Optional[Callable[[np.ndarr
                                                          for k in dict.fromkeys(k for b in about3 for k in b)}}}
 
 
-# The levers docs/latency.md reports (offline, python -m appliance.bench.latency --offline): segmenter fields.
+# The levers docs/latency.md reports (offline, appliance bench latency --offline): segmenter fields.
 OFFLINE_LEVERS: list[tuple[str, dict]] = [
     ("one call at 200 ms, max silence 1500 ms (before)", {"end_of_turn_confirm_ms": 0, "max_silence_ms": 1500}),
     ("one call at 150 ms", {"short_stop_ms": 150, "end_of_turn_confirm_ms": 0}),
@@ -656,8 +656,9 @@ PROJECTION_LEVERS: list[tuple[str, dict]] = [
 ]
 
 
-def _offline_main(argv: Optional[list] = None) -> int:
-    """``python -m appliance.bench.latency --offline [--cache DIR] [--call-ms MS]``: the end-of-turn levers
+def offline_main(argv: Optional[list] = None) -> int:
+    """``appliance bench latency --offline`` (or ``python -m appliance.bench.latency --offline [--cache DIR]
+    [--call-ms MS]``): the end-of-turn levers
     over the suite, offline, one line each (seconds per lever, not real time)."""
     import argparse
 
@@ -666,13 +667,15 @@ def _offline_main(argv: Optional[list] = None) -> int:
     from .interruption import AudioCache
 
     ap = argparse.ArgumentParser(prog="python -m appliance.bench.latency")
-    ap.add_argument("--offline", action="store_true", required=True)
+    ap.add_argument("--offline", action="store_true", required=True, help="required: this entry point is offline only")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance" / "bench-audio"),
-                    help="the bench's speech cache (Piper's voice must already be in it)")
+                    help="the bench's speech cache (what is missing is generated with Piper and espeak-ng)")
     ap.add_argument("--call-ms", type=float, default=0.0, help="Smart Turn's time per call to add, ms")
     args = ap.parse_args(argv)
 
-    cases = build_suite(AudioCache(Path(args.cache), None))
+    from ..speech import Tts
+
+    cases = build_suite(AudioCache(Path(args.cache), Tts()))  # Piper's bundled voice, for what is not cached
     vad, smart = SileroVad(), SmartTurn()
 
     def line(name: str, r: dict) -> str:
@@ -698,4 +701,4 @@ def _offline_main(argv: Optional[list] = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.exit(_offline_main())
+    sys.exit(offline_main())
