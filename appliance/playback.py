@@ -86,7 +86,8 @@ class Playback:
                 return False
             self._queue.append(seg)
             self._history.append(seg)
-            return True
+        self.port.wake()  # an idle sound device asks for nothing until told (audio/device/worker.py)
+        return True
 
     def end_reply(self, reply_id: int) -> None:
         """No more segments will come for ``reply_id``; a ``drained`` event follows the last sample."""

@@ -263,6 +263,11 @@ class DeviceAudio(AudioPort):
         self._drop_fifo = True
         self._send(p.Kind.FLUSH.value)
 
+    def wake(self) -> None:
+        """The playback buffer has samples: an idle worker (which asks for nothing, worker.py) asks for them at
+        its next output callback. Never blocks; a no-op while no worker runs."""
+        self._send(p.Kind.WAKE.value)
+
     def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
         """``fade_ms``: the worker's fade from the next pause, resume or flush on, ms; kept for the
         workers started later (after a device loss). ``audio`` (the config's ``audio`` section): its
@@ -492,7 +497,7 @@ class DeviceAudio(AudioPort):
                     except OSError as exc:
                         reason = f"the audio worker's socket failed ({exc})"
                         break
-                    if not flags & p.Flag.IDLE:  # an idle request asks for several blocks at once (worker.py)
+                    if not flags & p.Flag.IDLE:  # (older workers asked for several blocks at once while idle)
                         self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
             elif kind is p.Kind.INPUT:
                 flags, raw, played, frames, dropped = p.unpack_input(msg, info.in_channels)

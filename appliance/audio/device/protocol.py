@@ -36,6 +36,7 @@ class Kind(bytes, Enum):
     PAUSE = b"P"  # service → worker: fade out the ring and hold it
     RESUME = b"U"  # service → worker: fade back in where the pause stopped
     FLUSH = b"F"  # service → worker: fade out and drop the ring
+    WAKE = b"W"  # service → worker: the playback buffer has samples; an idle ring asks for them again
     CONFIGURE = b"C"  # service → worker: JSON {"fade_ms": float}
     SILENT = b"S"  # worker → service: a fade out reached silence
     READY = b"R"  # worker → service: JSON, the DeviceInfo fields
