@@ -26,6 +26,7 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   silence. ``CONFIGURE`` changes ``fade_ms`` while running (a config reload).
 
 PARAMS (JSON): ``input`` (name substring or null), ``output``, ``block_ms``, ``fade_ms`` (default 8),
+``idle_s`` (default ``IDLE_AFTER_S``; 0: never idle, for a caller that sends no ``WAKE``),
 ``stall_s`` (default 1.0: no callback for this long is a lost device), ``grace_s`` (default 3.0: the first
 callback must come within this long of opening). Exit codes: 0 asked to quit or the service went away,
 3 device not found, 4 could not open, 5 device lost.
@@ -178,7 +179,7 @@ def run(fd: int, params: dict) -> int:
     in_block = max(16, int(round(in_rate * block_ms / 1000.0)))
     out_block = max(16, int(round(out_rate * block_ms / 1000.0)))
     ring = OutputRing(out_block, fade_samples(out_rate, float(params.get("fade_ms", 8.0))),
-                      idle_after=int(IDLE_AFTER_S * out_rate))
+                      idle_after=int(float(params.get("idle_s", IDLE_AFTER_S)) * out_rate))
     last_cb = [0.0]
     held: list[bytes] = []  # input blocks not sent yet (idle: IDLE_INPUT_BLOCKS to a message)
     held_flags = [0]
