@@ -353,3 +353,42 @@ def test_a_paused_ring_is_never_idle():
     assert ring.idle
     ring.receive(ring.generation, np.ones(10, np.float32))  # a reply's samples: busy at once
     assert not ring.idle
+
+
+def test_silence_inside_a_queued_reply_never_puts_the_ring_to_sleep():
+    """A reply whose clause ends in 0.5 s of digital silence, the next clause already queued (no enqueue, so
+    no wake from it): the playback buffer wakes the port before handing out silence while more is queued, so
+    the worker's ring (woken by the WAKE that precedes the DATA on the socket) never goes idle and plays
+    both clauses back to back."""
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.worker import OutputRing
+    from appliance.audio.port import NullPort
+    from appliance.playback import Playback
+
+    block = 160
+    ring = OutputRing(block, 32, idle_after=3200)  # 0.2 s at 16 kHz
+
+    class Waking(NullPort):
+        def wake(self):
+            ring.control(p.Kind.WAKE)
+
+    port = Waking(16000, 8.0)
+    pb = Playback(16000, port=port)
+    rng = np.random.default_rng(3)
+    a = np.concatenate([(0.1 * rng.standard_normal(3200)).astype(np.float32), np.zeros(8000, np.float32)])
+    b = (0.1 * rng.standard_normal(3200)).astype(np.float32)
+    pb.begin_reply(1)
+    assert pb.enqueue(1, a, "a") and pb.enqueue(1, b, "b")
+    pb.end_reply(1)
+    ring.receive(ring.generation, pb.take(ring.prime()))
+    played = []
+    for _ in range(150):
+        out = np.zeros(block, np.float32)
+        want, flags, _ = ring.fill(out, block)
+        assert not flags & p.Flag.LATE
+        played.append(out)
+        if want:
+            ring.receive(ring.generation, pb.take(want))
+    x = np.concatenate(played)
+    assert pb.pending_samples == 0
+    assert np.array_equal(x[:len(a) + len(b)], np.concatenate([a, b]))

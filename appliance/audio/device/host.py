@@ -192,8 +192,8 @@ class DeviceAudio(AudioPort):
                  on_status: Optional[Callable[[str, dict], None]] = None,
                  backoff: tuple[float, float] = (0.5, 10.0), stall_s: float = 1.0, grace_s: float = 3.0,
                  fade_ms: float = 8.0, idle: bool = True):
-        self.log_errors = True
-        self.idle = idle  # log a failing device once per distinct reason
+        self.log_errors = True  # log a failing device once per distinct reason
+        self.idle = idle
         self.input_name = input_name
         self.output_name = output_name
         self.block_ms = block_ms

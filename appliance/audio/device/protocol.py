@@ -56,7 +56,7 @@ class Flag(IntFlag):
     OUTPUT_OVERFLOW = 0x8
     LATE = 0x100  # the output ring ran dry: the service did not send samples in time
     DROPPED = 0x200  # an input block was dropped on a full socket (the INPUT message carries no samples)
-    IDLE = 0x400  # REQUEST: the output is idle, so several blocks are asked for at once (not the ring's depth)
+    IDLE = 0x400  # REQUEST: reserved (workers before WAKE asked for several blocks at once while idle)
 
 
 XRUN_KEYS = ("input_overflow", "input_underflow", "output_underflow", "output_overflow", "late", "dropped_input")
