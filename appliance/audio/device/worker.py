@@ -13,7 +13,8 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
 - idle (the service has sent only digital silence for ``IDLE_AFTER_S``, and the ring plays): the ring asks
   for nothing at all; it plays out what it holds, then silence by itself (not counted late: the far end
   carries it as played, as always), until the service sends ``WAKE`` (its playback buffer got a segment,
-  :meth:`appliance.audio.port.AudioPort.wake`), or a ``RESUME`` or ``FLUSH`` comes; then the next output
+  or handed out digital silence with more queued: :meth:`appliance.audio.port.AudioPort.wake`), or a
+  ``RESUME`` or ``FLUSH`` comes; then the next output
   callback asks for the whole target again. The input callback meanwhile sends every ``IDLE_INPUT_BLOCKS``
   blocks in one ``INPUT`` (each message wakes a thread in each process). The price: while idle (a user's
   turn included) the microphone's blocks reach the service up to ``IDLE_INPUT_BLOCKS`` − 1 blocks later
