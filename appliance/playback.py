@@ -86,7 +86,8 @@ class Playback:
                 return False
             self._queue.append(seg)
             self._history.append(seg)
-            return True
+        self.port.wake()  # an idle sound device asks for nothing until told (audio/device/worker.py)
+        return True
 
     def end_reply(self, reply_id: int) -> None:
         """No more segments will come for ``reply_id``; a ``drained`` event follows the last sample."""
@@ -176,7 +177,8 @@ class Playback:
     # --- consumer side (the port) ---
     def take(self, n: int) -> np.ndarray:
         """The port's pull: the next ``n`` samples (float32 [n] at :attr:`sample_rate`), unfaded, counted as
-        played; zeros where there is nothing to play. Emits ``drained`` after a finished reply's last sample."""
+        played; zeros where there is nothing to play. Emits ``drained`` after a finished reply's last sample.
+        Wakes the port (:meth:`AudioPort.wake`) when the samples end in digital silence and more are queued."""
         out = np.zeros(n, dtype=np.float32)
         drained = None
         with self._lock:
@@ -193,8 +195,14 @@ class Playback:
             if not self._queue and self._ended and self._reply_id >= 0 and not self._paused and not self._drained_sent:
                 self._drained_sent = True
                 drained = self._reply_id
+            more = bool(self._queue)
         if drained is not None:
             self._on_event("drained", reply_id=drained)
+        if more and n and out[-1] == 0.0:
+            # Digital silence inside a reply (a clause's padding): a sound device's worker that counted 0.2 s
+            # of it would stop asking (idle) with samples still queued here. The wake goes out before the
+            # samples, so the worker never counts more silence than one answer holds.
+            self.port.wake()
         return out
 
     def read(self, n: int) -> np.ndarray:

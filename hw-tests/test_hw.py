@@ -46,7 +46,7 @@ def test_audio_loopback_latency_and_level():
             sent["n"] += n
         return out
 
-    dev = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate)
+    dev = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate, idle=False)  # no Playback: no wake
     dev.start(read, lambda m, f: mic.append(m))
     try:
         assert dev.wait_open(15), dev.last_error

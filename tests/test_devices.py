@@ -336,3 +336,47 @@ def test_a_reload_of_fade_ms_reaches_the_audio_worker(hearing_parts, tmp_path, u
     assert 100 <= before <= 135  # 8 ms = 128 samples at the device's 16 kHz
     assert 600 <= after <= 650, after  # 40 ms = 640 samples
     assert np.all(heard[-1600:] == 0)  # and the pause held
+
+
+@needs_jack
+def test_an_idle_device_asks_for_nothing_and_a_queued_reply_wakes_it(user):
+    """After 0.2 s of digital silence the audio worker stops asking for output (it plays silence itself);
+    a reply queued later wakes it (``Playback.enqueue`` -> ``WAKE``) and plays whole, nothing counted late.
+    ``play()`` (no playback buffer, so no wake) keeps asking: 0.4 s of leading silence still plays its tone."""
+    from appliance.audio.device import play
+    from appliance.playback import Playback
+
+    dev = DeviceAudio(None, "user", 10, 16000, fade_ms=8.0)
+    pb = Playback(16000, port=dev)
+    asked = []
+    dev.start(lambda n: (asked.append(time.monotonic()), pb.take(n))[1], lambda m, f: None, pb.port_silent)
+    tone = _sine(1.0, 440.0, 0.3)
+    try:
+        assert dev.wait_open(15)
+        time.sleep(0.6)
+        n_idle, late0 = len(asked), dev.xruns["late"]
+        time.sleep(0.5)
+        assert len(asked) == n_idle, "the idle worker still asked for output"
+        pb.begin_reply(1)
+        t0 = time.monotonic()
+        pb.enqueue(1, tone, "a reply")
+        assert jd.wait_for(lambda: pb.pending_samples == 0, 5)
+        first = [t for t in asked if t >= t0][0] - t0
+        print(f"the reply's first samples asked for {1000 * first:.1f} ms after queueing")
+        assert first < 0.05  # within a block or two (10 ms blocks), a loaded machine's scheduling aside
+        assert jd.wait_for(lambda: np.count_nonzero(np.abs(user.heard()) > 0.01) > 0.9 * 16000 * 0.63, 5)
+        time.sleep(0.3)
+        late = dev.xruns["late"] - late0
+        print("late before the reply", late0, "after", late)
+    finally:
+        dev.stop()
+    assert late == 0, late
+    heard = user.heard()
+    loud = np.flatnonzero(np.abs(heard) > 0.01)
+    assert abs(dbfs(heard[loud[0]:loud[-1] + 1]) - dbfs(tone)) < 1.0  # the whole tone, unbroken
+    assert loud[-1] - loud[0] > 0.98 * len(tone)
+
+    before = len(user.heard())
+    play(np.concatenate([np.zeros(6400, np.float32), tone]), 16000, "user", timeout=10)
+    heard = user.heard()[before:]
+    assert np.count_nonzero(np.abs(heard) > 0.01) > 0.5 * len(tone)

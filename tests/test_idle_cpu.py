@@ -235,11 +235,12 @@ def test_the_hand_over_is_asked_only_when_a_band_took_a_frame(monkeypatch):
 def _play_through_ring(idle_after: int, reply_at: int, reply: np.ndarray, callbacks: int, block: int = 480):
     """The worker's output ring (worker.OutputRing) played for ``callbacks`` blocks, each request answered at
     once by a service whose playback has only silence until callback ``reply_at``, then ``reply`` (then silence
-    again). Returns (what was played, the requests as (callback, samples, flags))."""
+    again); the service's ``WAKE`` (its playback buffer got the reply) reaches the ring just before that
+    callback. Returns (what was played, the requests as (callback, samples, flags))."""
+    from appliance.audio.device import protocol as p
     from appliance.audio.device.worker import OutputRing
 
     ring = OutputRing(block, 96, idle_after=idle_after)
-    source = [np.zeros(0, np.float32)]
     sent = [0]
 
     def pull(n, k):
@@ -252,6 +253,8 @@ def _play_through_ring(idle_after: int, reply_at: int, reply: np.ndarray, callba
     ring.receive(ring.generation, pull(ring.prime(), 0))
     played, requests = [], []
     for k in range(callbacks):
+        if k == reply_at:
+            ring.control(p.Kind.WAKE)
         out = np.zeros(block, np.float32)
         want, flags, _ = ring.fill(out, block)
         played.append(out)
@@ -262,9 +265,10 @@ def _play_through_ring(idle_after: int, reply_at: int, reply: np.ndarray, callba
     return np.concatenate(played), requests
 
 
-def test_an_idle_ring_asks_for_several_blocks_at_once_and_plays_the_same_samples():
+def test_an_idle_ring_asks_for_nothing_until_woken_and_plays_the_same_samples():
+    """Idle, the worker plays silence by itself (no request, none flagged late); after ``WAKE`` the reply's
+    samples are asked for at the next callback and play no later than with a ring that asks every block."""
     from appliance.audio.device import protocol as p
-    from appliance.audio.device.worker import IDLE_REQUEST_BLOCKS
 
     rng = np.random.default_rng(2)
     reply = (0.1 * rng.standard_normal(48000)).astype(np.float32)  # 1 s at 48 kHz
@@ -272,19 +276,61 @@ def test_an_idle_ring_asks_for_several_blocks_at_once_and_plays_the_same_samples
     busy, busy_req = _play_through_ring(0, 100, reply, 400)
     idle, idle_req = _play_through_ring(9600, 100, reply, 400)
     late = lambda reqs: [r for r in reqs if r[2] & p.Flag.LATE]  # noqa: E731
-    assert not late(busy_req) and not late(idle_req)  # never ran dry
-    # Idle: a quarter of the requests before the reply; every block asked for again while it plays.
-    before = [r for r in idle_req if 30 <= r[0] < 100]  # idle from 0.2 s (20 blocks) of silence on
-    assert before and all(r[2] & p.Flag.IDLE and r[1] == IDLE_REQUEST_BLOCKS * block for r in before)
-    assert len([r for r in busy_req if 30 <= r[0] < 100]) >= IDLE_REQUEST_BLOCKS * (len(before) - 1)
+    assert not late(busy_req) and not late(idle_req)  # never ran dry while it had something to play
+    # Idle from 0.2 s (20 blocks) of silence on: no request at all until the wake.
+    assert not [r for r in idle_req if 22 <= r[0] < 100]
+    assert len([r for r in busy_req if 22 <= r[0] < 100]) >= 70
+    assert idle_req and [r for r in idle_req if r[0] >= 100][0][0] == 100  # asked at the callback woken
     during = [r for r in idle_req if 110 <= r[0] < 190]
-    assert during and all(r[1] == block and not r[2] & p.Flag.IDLE for r in during)
-    # The same samples, none lost or repeated: the reply starts at most IDLE_REQUEST_BLOCKS - 1 blocks later.
+    assert during and all(r[1] == block for r in during)
+    # The same samples, none lost or repeated; the reply starts no later (the idle ring is empty, the busy
+    # one holds its target of silence ahead of it).
     start = lambda x: int(np.flatnonzero(x)[0])  # noqa: E731
     lag = start(idle) - start(busy)
-    assert 0 <= lag <= (IDLE_REQUEST_BLOCKS - 1) * block, lag
+    assert -2 * block <= lag <= 0, lag
+    assert start(idle) <= 101 * block
     assert np.array_equal(idle[start(idle):start(idle) + len(reply)], reply)
     assert np.array_equal(busy[start(busy):start(busy) + len(reply)], reply)
+    # After the reply: idle again, asking for nothing.
+    assert not [r for r in idle_req if r[0] >= 250]
+
+
+def test_a_resumed_or_flushed_ring_asks_again():
+    """A pause that outlasts the idle time (the rest of the reply waits in the service's buffer, no ``WAKE``
+    comes for it) must not leave the resumed ring asleep; nor must a flush."""
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.worker import OutputRing
+
+    for kind in (p.Kind.RESUME, p.Kind.FLUSH):
+        ring = OutputRing(480, 96, idle_after=960)
+        ring.receive(ring.generation, np.zeros(ring.prime(), np.float32))
+        for _ in range(6):
+            want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
+            ring.receive(ring.generation, np.zeros(want, np.float32))
+        assert ring.idle
+        assert ring.fill(np.zeros(480, np.float32), 480)[0] == 0
+        ring.control(kind)
+        assert not ring.idle
+        want, flags, _ = ring.fill(np.zeros(480, np.float32), 480)
+        assert want > 0 and not flags & p.Flag.LATE, (kind, want, flags)
+
+
+def test_playback_wakes_its_port_when_a_segment_is_queued():
+    from appliance.audio.port import NullPort
+    from appliance.playback import Playback
+
+    class Counting(NullPort):
+        woken = 0
+
+        def wake(self):
+            self.woken += 1
+
+    port = Counting(16000, 8.0)
+    pb = Playback(16000, port=port)
+    port.start(pb.take, lambda mic, far: None, pb.port_silent)
+    pb.begin_reply(1)
+    assert pb.enqueue(1, np.ones(160, np.float32), "a") and port.woken == 1
+    assert not pb.enqueue(2, np.ones(160, np.float32), "b") and port.woken == 1  # refused: nothing to ask for
 
 
 def test_a_paused_ring_is_never_idle():
@@ -300,6 +346,49 @@ def test_a_paused_ring_is_never_idle():
     ring.control(p.Kind.PAUSE)
     assert not ring.idle
     ring.control(p.Kind.RESUME)
+    assert not ring.idle  # resumed: asks again (the rest of the reply may be in the service's buffer)
+    for _ in range(4):
+        want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
+        ring.receive(ring.generation, np.zeros(want, np.float32))
     assert ring.idle
     ring.receive(ring.generation, np.ones(10, np.float32))  # a reply's samples: busy at once
     assert not ring.idle
+
+
+def test_silence_inside_a_queued_reply_never_puts_the_ring_to_sleep():
+    """A reply whose clause ends in 0.5 s of digital silence, the next clause already queued (no enqueue, so
+    no wake from it): the playback buffer wakes the port before handing out silence while more is queued, so
+    the worker's ring (woken by the WAKE that precedes the DATA on the socket) never goes idle and plays
+    both clauses back to back."""
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.worker import OutputRing
+    from appliance.audio.port import NullPort
+    from appliance.playback import Playback
+
+    block = 160
+    ring = OutputRing(block, 32, idle_after=3200)  # 0.2 s at 16 kHz
+
+    class Waking(NullPort):
+        def wake(self):
+            ring.control(p.Kind.WAKE)
+
+    port = Waking(16000, 8.0)
+    pb = Playback(16000, port=port)
+    rng = np.random.default_rng(3)
+    a = np.concatenate([(0.1 * rng.standard_normal(3200)).astype(np.float32), np.zeros(8000, np.float32)])
+    b = (0.1 * rng.standard_normal(3200)).astype(np.float32)
+    pb.begin_reply(1)
+    assert pb.enqueue(1, a, "a") and pb.enqueue(1, b, "b")
+    pb.end_reply(1)
+    ring.receive(ring.generation, pb.take(ring.prime()))
+    played = []
+    for _ in range(150):
+        out = np.zeros(block, np.float32)
+        want, flags, _ = ring.fill(out, block)
+        assert not flags & p.Flag.LATE
+        played.append(out)
+        if want:
+            ring.receive(ring.generation, pb.take(want))
+    x = np.concatenate(played)
+    assert pb.pending_samples == 0
+    assert np.array_equal(x[:len(a) + len(b)], np.concatenate([a, b]))

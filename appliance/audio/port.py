@@ -70,6 +70,11 @@ class AudioPort(ABC):
     def flush(self) -> None:
         """Fade out and drop what the port holds of the current output (an interrupted reply)."""
 
+    def wake(self) -> None:
+        """The playback buffer has new samples (a segment was queued). A port that stops asking while its
+        output is idle (a sound device's worker) asks again; ports that pull every block ignore it. Never
+        blocks."""
+
     @abstractmethod
     def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
         """Change settings while running: ``fade_ms`` is the fade out and fade in, ms (the next fade);

@@ -176,6 +176,9 @@ class DeviceAudio(AudioPort):
     :param backoff: first and longest wait between attempts to open, s (doubling in between).
     :param stall_s: a device that stops calling back for this long counts as lost, s.
     :param grace_s: the first callback must come within this long of opening, s.
+    :param idle: the worker stops asking for output after 0.2 s of digital silence until :meth:`wake`
+        (the :class:`~appliance.playback.Playback` buffer calls it); False for a ``pull`` that gets samples
+        without telling (:func:`play`).
     :param fade_ms: the worker's fade on pause, resume and flush, ms (``interruption.fade_ms``; change
         it while running with :meth:`configure`).
 
@@ -188,8 +191,9 @@ class DeviceAudio(AudioPort):
     def __init__(self, input_name: Optional[str], output_name: str, block_ms: float, playback_rate: int,
                  on_status: Optional[Callable[[str, dict], None]] = None,
                  backoff: tuple[float, float] = (0.5, 10.0), stall_s: float = 1.0, grace_s: float = 3.0,
-                 fade_ms: float = 8.0):
+                 fade_ms: float = 8.0, idle: bool = True):
         self.log_errors = True  # log a failing device once per distinct reason
+        self.idle = idle
         self.input_name = input_name
         self.output_name = output_name
         self.block_ms = block_ms
@@ -262,6 +266,11 @@ class DeviceAudio(AudioPort):
         self._paused = False
         self._drop_fifo = True
         self._send(p.Kind.FLUSH.value)
+
+    def wake(self) -> None:
+        """The playback buffer has samples: an idle worker (which asks for nothing, worker.py) asks for them at
+        its next output callback. Never blocks; a no-op while no worker runs."""
+        self._send(p.Kind.WAKE.value)
 
     def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
         """``fade_ms``: the worker's fade from the next pause, resume or flush on, ms; kept for the
@@ -362,6 +371,8 @@ class DeviceAudio(AudioPort):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         params = {"input": self.input_name, "output": self.output_name, "block_ms": self.block_ms,
                   "stall_s": self.stall_s, "grace_s": self.grace_s, "fade_ms": self.fade_ms}
+        if not self.idle:
+            params["idle_s"] = 0.0
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "appliance.audio.device", "worker", str(child.fileno()), json.dumps(params)],
@@ -492,7 +503,7 @@ class DeviceAudio(AudioPort):
                     except OSError as exc:
                         reason = f"the audio worker's socket failed ({exc})"
                         break
-                    if not flags & p.Flag.IDLE:  # an idle request asks for several blocks at once (worker.py)
+                    if not flags & p.Flag.IDLE:  # (older workers asked for several blocks at once while idle)
                         self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
             elif kind is p.Kind.INPUT:
                 flags, raw, played, frames, dropped = p.unpack_input(msg, info.in_channels)
@@ -569,7 +580,7 @@ def play(audio: np.ndarray, rate: int, output: str = "default", timeout: Optiona
         if kind in ("unavailable", "lost"):
             done.set()
 
-    dev = DeviceAudio(None, output, 20, rate, on_status, backoff=(0.5, 0.5))
+    dev = DeviceAudio(None, output, 20, rate, on_status, backoff=(0.5, 0.5), idle=False)  # no Playback: no wake
     dev.log_errors = False  # a one-shot play reports its failure itself, once
     dev.start(read, lambda mic, far: None)
     try:

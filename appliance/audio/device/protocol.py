@@ -36,6 +36,7 @@ class Kind(bytes, Enum):
     PAUSE = b"P"  # service → worker: fade out the ring and hold it
     RESUME = b"U"  # service → worker: fade back in where the pause stopped
     FLUSH = b"F"  # service → worker: fade out and drop the ring
+    WAKE = b"W"  # service → worker: the playback buffer has samples; an idle ring asks for them again
     CONFIGURE = b"C"  # service → worker: JSON {"fade_ms": float}
     SILENT = b"S"  # worker → service: a fade out reached silence
     READY = b"R"  # worker → service: JSON, the DeviceInfo fields
@@ -55,7 +56,7 @@ class Flag(IntFlag):
     OUTPUT_OVERFLOW = 0x8
     LATE = 0x100  # the output ring ran dry: the service did not send samples in time
     DROPPED = 0x200  # an input block was dropped on a full socket (the INPUT message carries no samples)
-    IDLE = 0x400  # REQUEST: the output is idle, so several blocks are asked for at once (not the ring's depth)
+    IDLE = 0x400  # REQUEST: reserved (workers before WAKE asked for several blocks at once while idle)
 
 
 XRUN_KEYS = ("input_overflow", "input_underflow", "output_underflow", "output_overflow", "late", "dropped_input")

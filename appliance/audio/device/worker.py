@@ -11,19 +11,23 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   playing), then ask for as many samples as keep the ring at its target: 2 blocks to start, one more after
   each late block, up to 8.
 - idle (the service has sent only digital silence for ``IDLE_AFTER_S``, and the ring plays): the ring asks
-  for ``IDLE_REQUEST_BLOCKS`` blocks at a time, flagged ``IDLE``, once it is below its target, and the
-  input callback sends every ``IDLE_INPUT_BLOCKS`` blocks in one ``INPUT``: a quarter of the output's
-  messages and half the input's while nothing plays (each message wakes a thread in each process). The
-  price: the first samples of a reply may wait up to ``IDLE_REQUEST_BLOCKS`` − 1 blocks longer to be
-  asked for, and while idle (a user's turn included) every other microphone block reaches the service one
-  block later (10 ms at the default block; at 48 kHz soxr hands the service 30 ms at a time anyway).
-  Once non-zero samples arrive, every block is asked for and sent again. A pause (a barge-in) is never
-  idle.
+  for nothing at all; it plays out what it holds, then silence by itself (not counted late: the far end
+  carries it as played, as always), until the service sends ``WAKE`` (its playback buffer got a segment,
+  or handed out digital silence with more queued: :meth:`appliance.audio.port.AudioPort.wake`), or a
+  ``RESUME`` or ``FLUSH`` comes; then the next output
+  callback asks for the whole target again. The input callback meanwhile sends every ``IDLE_INPUT_BLOCKS``
+  blocks in one ``INPUT`` (each message wakes a thread in each process). The price: while idle (a user's
+  turn included) the microphone's blocks reach the service up to ``IDLE_INPUT_BLOCKS`` − 1 blocks later
+  (20 ms at the default 10 ms block; at 48 kHz soxr hands the service 30 ms at a time anyway, so one
+  message of 3 blocks is one capture); a reply's first samples are asked for at the first output callback
+  after ``WAKE`` (within one block) and, the ring being empty then, play as soon as they arrive (before,
+  they queued behind 2–6 blocks of silence). A pause (a barge-in) is never idle.
 - ``PAUSE``/``RESUME``/``FLUSH``: the ring's fader fades out over ``fade_ms`` of what it holds and keeps
   the rest (pause) or drops it (flush), and fades back in on resume; ``SILENT`` says a fade out reached
   silence. ``CONFIGURE`` changes ``fade_ms`` while running (a config reload).
 
 PARAMS (JSON): ``input`` (name substring or null), ``output``, ``block_ms``, ``fade_ms`` (default 8),
+``idle_s`` (default ``IDLE_AFTER_S``; 0: never idle, for a caller that sends no ``WAKE``),
 ``stall_s`` (default 1.0: no callback for this long is a lost device), ``grace_s`` (default 3.0: the first
 callback must come within this long of opening). Exit codes: 0 asked to quit or the service went away,
 3 device not found, 4 could not open, 5 device lost.
@@ -46,8 +50,8 @@ from .listing import DeviceNotFound, default_devices, import_sounddevice, match_
 
 RING_MIN_BLOCKS, RING_MAX_BLOCKS = 2, 8
 IDLE_AFTER_S = 0.2  # digital silence received for this long (more than the ring holds): the output is idle
-IDLE_REQUEST_BLOCKS = 4  # ... then the ring asks for this many blocks at a time
-IDLE_INPUT_BLOCKS = 2  # ... and the microphone's blocks go this many to a message
+IDLE_INPUT_BLOCKS = 3  # ... then the ring asks for nothing until WAKE, and the microphone's blocks go this many
+#   to a message
 
 
 class OutputRing:
@@ -71,6 +75,7 @@ class OutputRing:
         self.callbacks = 0
         self.idle_after = idle_after
         self.zeros = 0  # samples of digital silence received since the last non-zero sample
+        self.slept = False  # the ring has asked for nothing while idle since the last samples received
 
     @property
     def idle(self) -> bool:
@@ -86,20 +91,23 @@ class OutputRing:
     def fill(self, out, frames: int) -> tuple[int, int, bool]:
         """One output callback's work: write ``frames`` samples into ``out`` (float32 [frames]).
 
+        Idle (:attr:`idle`): asks for nothing; a ring that runs dry then, or before the first samples after
+        a :meth:`wake` arrive, plays silence that is not late (no ``LATE``, the target stays).
+
         :returns: (samples to request, extra flags (``LATE``), whether a fade out reached silence).
         """
         self.callbacks += 1
         flags = 0
         _, res = self.fader.read(frames, out)
-        if res.short and self.callbacks > 1:
+        if res.short and self.callbacks > 1 and not self.slept:
             flags |= p.Flag.LATE
             self.target = min(RING_MAX_BLOCKS * self.block, self.target + self.block)
         want = 0
         if self.fader.state is FadeState.PLAYING:
-            want = max(0, self.target - self.fader.queued - self.requested)
-            if want and self.idle:
-                want = max(want, IDLE_REQUEST_BLOCKS * self.block)
-                flags |= p.Flag.IDLE
+            if self.idle:
+                self.slept = True
+            else:
+                want = max(0, self.target - self.fader.queued - self.requested)
             self.requested += want
         return want, flags, res.silent
 
@@ -112,11 +120,21 @@ class OutputRing:
         if generation != self.generation:
             return
         self.requested = max(0, self.requested - len(data))
+        if len(data):
+            self.slept = False
         self.fader.push(data)
         nz = np.flatnonzero(data)
         self.zeros = len(data) - 1 - int(nz[-1]) if len(nz) else self.zeros + len(data)
 
+    def wake(self) -> None:
+        """The service has samples to play (``WAKE``): not idle; the next :meth:`fill` asks for the target."""
+        self.zeros = 0
+
     def control(self, kind: p.Kind) -> None:
+        """``PAUSE``, ``RESUME``, ``FLUSH`` or ``WAKE``; the last three also end idleness (a resumed reply's
+        rest is in the service's playback buffer, which an idle ring would not ask for)."""
+        if kind is not p.Kind.PAUSE:
+            self.wake()
         if kind is p.Kind.PAUSE:
             self.fader.pause()
         elif kind is p.Kind.RESUME:
@@ -162,7 +180,7 @@ def run(fd: int, params: dict) -> int:
     in_block = max(16, int(round(in_rate * block_ms / 1000.0)))
     out_block = max(16, int(round(out_rate * block_ms / 1000.0)))
     ring = OutputRing(out_block, fade_samples(out_rate, float(params.get("fade_ms", 8.0))),
-                      idle_after=int(IDLE_AFTER_S * out_rate))
+                      idle_after=int(float(params.get("idle_s", IDLE_AFTER_S)) * out_rate))
     last_cb = [0.0]
     held: list[bytes] = []  # input blocks not sent yet (idle: IDLE_INPUT_BLOCKS to a message)
     held_flags = [0]
@@ -262,7 +280,7 @@ def run(fd: int, params: dict) -> int:
             kind = p.kind_of(msg)
             if kind is None or kind is p.Kind.QUIT:
                 os._exit(0)  # the service went away or asked us to stop
-            if kind in (p.Kind.PAUSE, p.Kind.RESUME, p.Kind.FLUSH):
+            if kind in (p.Kind.PAUSE, p.Kind.RESUME, p.Kind.FLUSH, p.Kind.WAKE):
                 with ring.lock:
                     ring.control(kind)
             elif kind is p.Kind.DATA:
