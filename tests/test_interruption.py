@@ -343,9 +343,11 @@ def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge
 def test_barge_in_latency_is_split_into_vad_listener_and_output():
     """``latency_split`` on timeline records (seconds): the user's onset at 2.000 s, the VAD window that
     fired began at 2.040 (ends at 2.072), the listener posted it at 2.080, the pause at 2.081, and the
-    output fell silent 87 ms after the onset; and ``summarise`` reports the parts over the barge-ins."""
-    recs = [{"event": "vad_onset", "t": 2.080, "audio_t": 2.040, "prob": 0.9},
-            {"event": "interrupted", "t": 2.081, "onset_t": 2.080}]
+    output fell silent 87 ms after the onset; and ``summarise`` reports the parts over the barge-ins. As the
+    conversation records them: its own ``t`` rounded to 0.1 ms, the pause's ``onset_t`` as posted (the first
+    version matched them exactly and found no split in a real run)."""
+    recs = [{"event": "vad_onset", "t": 2.08, "audio_t": 2.040, "prob": 0.9},
+            {"event": "interrupted", "t": 2.081, "onset_t": 2.0800321}]
     split = bench.latency_split(recs, 2.0, 87.0)
     assert split == {"vad_ms": 72.0, "listener_ms": 9.0, "output_ms": 6.0}
     assert bench.latency_split(recs[:1], 2.0, 87.0) is None  # no pause

@@ -328,7 +328,9 @@ def latency_split(recs: list[dict], onset_t: float, silent_ms: Optional[float]) 
     paused = [r for r in recs if r["event"] == "interrupted" and r["t"] >= onset_t - 0.05]
     if not paused:
         return None
-    onsets = [r for r in recs if r["event"] == "vad_onset" and r["t"] == paused[0].get("onset_t")
+    # The record's own ``t`` is rounded to 0.1 ms (Conversation._emit); ``onset_t`` is the onset's time as posted.
+    onset = paused[0].get("onset_t")
+    onsets = [r for r in recs if r["event"] == "vad_onset" and onset is not None and abs(r["t"] - onset) < 2e-4
               and r.get("audio_t") is not None]
     if not onsets:
         return None
