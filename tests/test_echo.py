@@ -187,13 +187,13 @@ def test_onset_gate_high_band_passes_a_consonant_but_not_a_quiet_band():
     assert ec.near_end_present()
 
 
-def test_a_users_onset_does_not_raise_the_gate_it_must_pass(far_end):
-    """The echo floors behind both thresholds come from the last 2 s of far-end frames, which include the
-    user's first frames as soon as they talk over the reply. 80 ms of a fricative-like hiss (noise above
-    2 kHz at a user's level, under the reply's echo, about 7 dB louder) must leave both floors, and so both
-    thresholds, where the echo alone put them; before the floors left out the newest 300 ms, the high-band
-    one rose by 13 dB within 30 ms of such an onset."""
-    mic, _ = through_room(far_end, 0.0)  # (at +6 dB this room clips Piper's peaks: a distorting speaker)
+def _hiss_over_the_reply(far_end):
+    """The reply's echo at 0 dB through the room (at +6 dB this room clips Piper's peaks: a distorting
+    speaker) with 80 ms of a fricative-like hiss (noise above 2.5 kHz at -26 dBFS, a user's level) added
+    4 s in, and a Speex canceller that has processed everything before the hiss.
+
+    :returns: (canceller, the microphone float32 at 16 kHz, the hiss's first sample, the hiss)."""
+    mic, _ = through_room(far_end, 0.0)
     rng = np.random.default_rng(3)
     hiss = np.fft.irfft(np.fft.rfft(rng.standard_normal(1280)) * (np.fft.rfftfreq(1280, 1 / 16000) >= 2500))
     hiss *= 10 ** (-26.0 / 20) / np.sqrt(np.mean(hiss ** 2))
@@ -203,6 +203,16 @@ def test_a_users_onset_does_not_raise_the_gate_it_must_pass(far_end):
     ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
     for i in range(0, at, FRAME):
         ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
+    return ec, mixed, at, hiss
+
+
+def test_a_users_onset_does_not_raise_the_gate_it_must_pass(far_end):
+    """The echo floors behind both thresholds come from the last 2 s of far-end frames, which include the
+    user's first frames as soon as they talk over the reply. 80 ms of a fricative-like hiss (noise above
+    2 kHz at a user's level, under the reply's echo, about 7 dB louder) must leave both floors, and so both
+    thresholds, where the echo alone put them; before the floors left out the newest 300 ms, the high-band
+    one rose by 13 dB within 30 ms of such an onset."""
+    ec, mixed, at, hiss = _hiss_over_the_reply(far_end)
     before = ec.echo_floor_db(), ec.high_band_floor_db()
     thresholds = ec.gate_threshold_db(), ec.high_band_threshold_db()
     assert before[0] < -25.0 and before[1] < -25.0  # converged
@@ -223,16 +233,7 @@ def test_an_onset_the_gate_passed_stays_out_of_the_floors_after_the_lag(far_end)
     next reply's barge-in): the same 80 ms hiss as above, then 700 ms more of the reply, and the floors
     are still within 3 dB of where the echo alone put them. Before, the broadband floor rose by 23 dB and
     the high-band one by 37 dB, which turned the high-band test off (measured here)."""
-    mic, _ = through_room(far_end, 0.0)
-    rng = np.random.default_rng(3)
-    hiss = np.fft.irfft(np.fft.rfft(rng.standard_normal(1280)) * (np.fft.rfftfreq(1280, 1 / 16000) >= 2500))
-    hiss *= 10 ** (-26.0 / 20) / np.sqrt(np.mean(hiss ** 2))
-    at = 4 * 16000
-    mixed = mic.copy()
-    mixed[at : at + len(hiss)] += hiss.astype(np.float32)
-    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
-    for i in range(0, at, FRAME):
-        ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
+    ec, mixed, at, hiss = _hiss_over_the_reply(far_end)
     before = ec.echo_floor_db(), ec.high_band_floor_db(), ec.high_band_threshold_db()
     assert before[2] == -16.0  # the high-band test on
     passed = []

@@ -7,7 +7,6 @@ Speex, the tiny Gemma 4 fixture. Mocked: the sound card (a JACK dummy driver) an
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from appliance.bench import jack_room
+from jack_dummy import why_skip_own_server
 
 BURN = """
 import subprocess, sys, time
@@ -40,17 +40,7 @@ def test_the_meter_splits_a_tree_into_the_process_and_its_children():
     assert jack_room.tree_ticks(proc.pid) == 0  # gone: nothing left to count
 
 
-def _why_skip():
-    if not shutil.which("jackd"):
-        return "jackd is not installed (apt-get install jackd2; .ci/run does)"
-    try:
-        import jack  # noqa: F401
-    except (ImportError, OSError) as exc:
-        return f"the JACK-Client package is not usable ({exc})"
-    return None
-
-
-@pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+@pytest.mark.skipif(why_skip_own_server() is not None, reason=str(why_skip_own_server()))
 def test_bench_idle_cpu_measures_the_listening_service_and_its_worker(tmp_path):
     """``bench idle-cpu`` on a server of its own: the service listens through every window, its audio worker
     is counted, and the whole stays far from a busy loop (the figure itself is the benchmark's)."""
@@ -295,6 +285,14 @@ def test_an_idle_ring_asks_for_nothing_until_woken_and_plays_the_same_samples():
     assert not [r for r in idle_req if r[0] >= 250]
 
 
+def _play_silence(ring, blocks: int) -> None:
+    """``blocks`` output callbacks of 480 frames on ``ring``, each answered with the digital silence it asked for
+    (the service with nothing to play)."""
+    for _ in range(blocks):
+        want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
+        ring.receive(ring.generation, np.zeros(want, np.float32))
+
+
 def test_a_resumed_or_flushed_ring_asks_again():
     """A pause that outlasts the idle time (the rest of the reply waits in the service's buffer, no ``WAKE``
     comes for it) must not leave the resumed ring asleep; nor must a flush."""
@@ -304,9 +302,7 @@ def test_a_resumed_or_flushed_ring_asks_again():
     for kind in (p.Kind.RESUME, p.Kind.FLUSH):
         ring = OutputRing(480, 96, idle_after=960)
         ring.receive(ring.generation, np.zeros(ring.prime(), np.float32))
-        for _ in range(6):
-            want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
-            ring.receive(ring.generation, np.zeros(want, np.float32))
+        _play_silence(ring, 6)
         assert ring.idle
         assert ring.fill(np.zeros(480, np.float32), 480)[0] == 0
         ring.control(kind)
@@ -339,17 +335,13 @@ def test_a_paused_ring_is_never_idle():
 
     ring = OutputRing(480, 96, idle_after=960)
     ring.receive(ring.generation, np.zeros(ring.prime(), np.float32))
-    for _ in range(4):
-        want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
-        ring.receive(ring.generation, np.zeros(want, np.float32))
+    _play_silence(ring, 4)
     assert ring.idle
     ring.control(p.Kind.PAUSE)
     assert not ring.idle
     ring.control(p.Kind.RESUME)
     assert not ring.idle  # resumed: asks again (the rest of the reply may be in the service's buffer)
-    for _ in range(4):
-        want, _, _ = ring.fill(np.zeros(480, np.float32), 480)
-        ring.receive(ring.generation, np.zeros(want, np.float32))
+    _play_silence(ring, 4)
     assert ring.idle
     ring.receive(ring.generation, np.ones(10, np.float32))  # a reply's samples: busy at once
     assert not ring.idle

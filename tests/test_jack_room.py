@@ -12,7 +12,6 @@ the room (a JACK client with an echo path and scripted speech).
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from appliance.audio.files import load_audio
+from jack_dummy import why_skip_own_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = f"appliance-test-room48-{os.getpid()}"
@@ -30,17 +30,7 @@ BARGE_IN_MAX_MS = 500.0
 REALTIME = pytest.mark.flaky(reruns=2)
 
 
-def _why_skip():
-    if not shutil.which("jackd"):
-        return "jackd is not installed (apt-get install jackd2; .ci/run does)"
-    try:
-        import jack  # noqa: F401
-    except (ImportError, OSError) as exc:
-        return f"the JACK-Client package is not usable ({exc})"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+pytestmark = pytest.mark.skipif(why_skip_own_server() is not None, reason=str(why_skip_own_server()))
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ CPU: ``listening_cpu_pct`` = CPU time of the service and its descendants (the au
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -398,6 +399,45 @@ def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, 
     return out
 
 
+@contextlib.contextmanager
+def service_in_room(cfg: Config, server_name: str, rate: int, period: int, drift_ppm: float, speaker: str,
+                    work_prefix: str, settle_s: float, print_line: Callable[[str], None]):
+    """The service (``appliance run``'s code path, :class:`ServiceUnderTest`) on a JACK dummy server of its own
+    named ``server_name`` (``rate`` Hz, ``period`` frames), with the room as its sound device; yields
+    ``(server, room, svc)`` once the service is ``listening`` and ``settle_s`` more have passed (the worker's
+    streams and first blocks), and stops all three on the way out.
+
+    :raises UserError: no jackd, or the service does not reach ``listening`` in 300 s.
+    """
+    server = JackServer(server_name, rate, period).start()
+    work = Path(tempfile.mkdtemp(prefix=work_prefix))
+    room = svc = None
+    try:
+        room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
+                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
+        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, server.env())
+        print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods), drift "
+                   f"{drift_ppm:+g} ppm, {speaker} speaker; the service's log: {work / 'service.log'}")
+        if not svc.wait_state("listening", 300):
+            raise UserError(f"the service did not reach listening in 300 s (it is {svc.state}); see {work / 'service.log'}")
+        time.sleep(settle_s)
+        yield server, room, svc
+    finally:
+        if svc is not None:
+            svc.stop()
+        if room is not None:
+            room.close()
+        server.stop()
+
+
+def write_summary(summary: dict, json_path: Optional[Path], print_line: Callable[[str], None]) -> None:
+    """Print ``summary`` as JSON and write it to ``json_path`` (if given); numpy scalars as Python numbers."""
+    text = json.dumps(summary, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x))
+    print_line(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n", encoding="utf-8")
+
+
 def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = False, drift_ppm: float = 0.0,
         speaker: str = "linear", echo_only: int = 0, rate: int = 48000, period: int = 1024,
         idle_s: Optional[float] = None, print_line: Callable[[str], None] = print,
@@ -412,33 +452,26 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
     question = cache.speech(sim.QUESTION[0], "joe")
     reply_level = sim.reply_dbfs(tts)
     cases = jack_suite(cache, quick, echo_only)
-    server = JackServer(server_name or f"appliance-room{rate // 1000}", rate, period).start()
-    work = Path(tempfile.mkdtemp(prefix="appliance-jack-room-"))
-    room = svc = meter = None
-    try:
-        room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
-                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
-        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, server.env())
-        print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods), drift "
-                   f"{drift_ppm:+g} ppm, {speaker} speaker; the service's log: {work / 'service.log'}")
-        if not svc.wait_state("listening", 300):
-            raise UserError(f"the service did not reach listening in 300 s (it is {svc.state}); see {work / 'service.log'}")
-        time.sleep(3.0)  # settle: the worker's streams and the first blocks
+    # A server of its own name: a benchmark's room on the shared test server would add its load to it.
+    with service_in_room(cfg, server_name or f"appliance-room{rate // 1000}", rate, period, drift_ppm, speaker,
+                         "appliance-jack-room-", 3.0, print_line) as (server, room, svc):
         idle = idle_cpu_pct(svc.proc.pid, idle_s if idle_s is not None else (10.0 if quick else 30.0))
         print_line(f"listening, idle: {idle} % of one core (service + audio worker)")
         meter = CpuMeter(svc)
-        print_line(f"{len(cases)} scenarios, in real time")
-        outcomes = []
-        for c in cases:
-            o = run_case(c, room, svc, reply_level, question)
-            outcomes.append(o)
-            silent = o.barge.get("output_silent_ms") if o.barge else None
-            print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
-                       f"resumed={o.resumed} silent_ms={silent} detected_ms="
-                       f"{o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} "
-                       f"heard_after_speaking_ms={getattr(o, 'heard_lag_ms', None)}"
-                       + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
-        meter.stop()
+        try:
+            print_line(f"{len(cases)} scenarios, in real time")
+            outcomes = []
+            for c in cases:
+                o = run_case(c, room, svc, reply_level, question)
+                outcomes.append(o)
+                silent = o.barge.get("output_silent_ms") if o.barge else None
+                print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
+                           f"resumed={o.resumed} silent_ms={silent} detected_ms="
+                           f"{o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} "
+                           f"heard_after_speaking_ms={getattr(o, 'heard_lag_ms', None)}"
+                           + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
+        finally:
+            meter.stop()
         summary = sim.summarise(outcomes, [])
         lags = [o.heard_lag_ms for o in outcomes if getattr(o, "heard_lag_ms", None) is not None]
         summary.update({
@@ -457,19 +490,8 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
                        "reply_dbfs": round(reply_level, 1), "quick": quick, "echo_only": echo_only},
         })
         print_line(sim.table(outcomes))
-        text = json.dumps(summary, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x))
-        print_line(text)
-        if json_path:
-            Path(json_path).write_text(text + "\n", encoding="utf-8")
+        write_summary(summary, json_path, print_line)
         return summary
-    finally:
-        if meter is not None:
-            meter.stop()
-        if svc is not None:
-            svc.stop()
-        if room is not None:
-            room.close()
-        server.stop()
 
 
 # --- idle CPU alone ---
@@ -486,19 +508,8 @@ def idle(cfg: Config, json_path: Optional[Path], seconds: float = 30.0, runs: in
     """
     if runs < 1 or seconds <= 0:
         raise UserError("bench idle-cpu: --runs must be at least 1 and --seconds above 0")
-    # A server of its own name: a benchmark's room on appliance-room48 would add its load to the same jackd.
-    server = JackServer(server_name or f"appliance-idle{rate // 1000}", rate, period).start()
-    work = Path(tempfile.mkdtemp(prefix="appliance-idle-cpu-"))
-    room = svc = None
-    try:
-        room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
-                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
-        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, server.env())
-        print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods); the service's "
-                   f"log: {work / 'service.log'}")
-        if not svc.wait_state("listening", 300):
-            raise UserError(f"the service did not reach listening in 300 s (it is {svc.state}); see {work / 'service.log'}")
-        time.sleep(settle_s)  # the worker's streams and the first blocks, as bench interruption --room jack
+    with service_in_room(cfg, server_name or f"appliance-idle{rate // 1000}", rate, period, drift_ppm, speaker,
+                         "appliance-idle-cpu-", settle_s, print_line) as (server, room, svc):
         windows = []
         for k in range(runs):
             w = idle_cpu_split(svc.proc.pid, seconds)
@@ -521,14 +532,5 @@ def idle(cfg: Config, json_path: Optional[Path], seconds: float = 30.0, runs: in
         }
         if any(w["state"] != "listening" for w in windows):
             summary["note"] = "the service left listening during a window: not idle"
-        text = json.dumps(summary, indent=2)
-        print_line(text)
-        if json_path:
-            Path(json_path).write_text(text + "\n", encoding="utf-8")
+        write_summary(summary, json_path, print_line)
         return summary
-    finally:
-        if svc is not None:
-            svc.stop()
-        if room is not None:
-            room.close()
-        server.stop()
