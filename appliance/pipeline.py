@@ -120,6 +120,9 @@ class Listener:
         self._n = 0
         self._captured = self._done = 0
         self._onset_sample = 0
+        from .audio.tap import AudioTap
+
+        self.tap = AudioTap.from_env()  # a benchmark's tap on every block (APPLIANCE_AUDIO_TAP), else None
         self._bind_gate()
         self._thread: Optional[threading.Thread] = None
 
@@ -210,11 +213,14 @@ class Listener:
         self._n += len(mic)
         if self._muted():
             return  # a muted microphone reaches neither the VAD nor the model
+        near = mic
         # While the reply is paused for the user, a short silence ends the interjection (then decide).
         self.segmenter.interjecting = self._interjecting()
         self.segmenter.both_streams = self._replying()  # the second Silero stream only while a barge-in may come
         if self.echo is not None and far is not None:
             mic = self.echo.process(mic, far)
+        if self.tap is not None:
+            self.tap.write(near, far, mic)
         wake = self.wake
         if wake is not None:
             for sample in wake.process(mic):
