@@ -68,8 +68,10 @@ def test_the_latency_split_adds_up_to_the_barge_ins_latency():
     tap.rate, tap.step, tap.offset = 48000, 3, 4800
     window_end_frame = 48000 + 40 * 48
     audio_t = (window_end_frame - 4800) / 48000 - WINDOW_MS / 1000.0
-    recs = [{"event": "vad_onset", "t": 1.04 + 0.07, "audio_t": audio_t},
-            {"event": "interrupted", "t": 1.111}]
+    recs = [{"event": "vad_onset", "t": 0.6, "audio_t": audio_t - 0.5},  # an earlier onset, not this pause's
+            {"event": "vad_onset", "t": 1.04 + 0.07, "audio_t": audio_t},
+            {"event": "vad_onset", "t": 1.1105, "audio_t": audio_t + 0.016},  # a later window, same pause
+            {"event": "interrupted", "t": 1.111, "onset_t": 1.11}]
     split = tap_split(recs, {"onset_t": 1.0, "detected_ms": 111.0, "output_silent_ms": 150.0}, room, tap)
     assert split == {"vad_ms": 40.0, "input_ms": 70.0, "listener_ms": 71.0, "output_ms": 39.0}
 

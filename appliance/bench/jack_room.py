@@ -458,6 +458,8 @@ def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, 
     for r in svc.since(k0):
         if isinstance(r.get("t"), (int, float)):
             r = dict(r, t=round(room.seconds(room.frame_of(t0 + r["t"])), 4))
+            if r["event"] == "interrupted" and isinstance(r.get("onset_t"), (int, float)):  # the onset it answered
+                r["onset_t"] = round(room.seconds(room.frame_of(t0 + r["onset_t"])), 4)
         recs.append(r)
     speech = []
     if u is not None and u.start is not None:
@@ -535,15 +537,15 @@ def tap_split(recs: list[dict], barge: dict, room: JackRoom, tap: ServiceTap) ->
     - ``output_ms``: the pause to the output's silence as the room heard it (the fade, the worker's and
       PortAudio's blocks, JACK's period).
 
-    None without the pause's ``vad_onset`` record."""
+    None without the pause's ``vad_onset`` record (the one its ``onset_t`` names, on the room's clock)."""
     paused = [r for r in recs if r["event"] == "interrupted" and r["t"] >= barge["onset_t"] - 0.05]
     if not paused:
         return None
     onsets = [r for r in recs if r["event"] == "vad_onset" and r.get("audio_t") is not None
-              and r["t"] <= paused[0]["t"] + 1e-3]
+              and abs(r["t"] - paused[0].get("onset_t", float("nan"))) < 1e-3]
     if not onsets:
         return None
-    ev = onsets[-1]
+    ev = onsets[0]
     window_end = ev["audio_t"] + WINDOW_MS / 1000.0
     end_frame = tap.frame_of(window_end)
     onset_frame = room.frame0 + int(round(barge["onset_t"] * room.rate))
