@@ -120,6 +120,10 @@ class Listener:
         self._n = 0
         self._captured = self._done = 0
         self._onset_sample = 0
+        from .audio.tap import AudioTap
+
+        self._handovers = 0  # the canceller's hand-overs logged (EchoCanceller.handovers)
+        self.tap = AudioTap.from_env()  # a benchmark's tap on every block (APPLIANCE_AUDIO_TAP), else None
         self._bind_gate()
         self._thread: Optional[threading.Thread] = None
 
@@ -167,6 +171,7 @@ class Listener:
                 self.wake = wake
             if echo is not _KEEP:
                 self.echo = echo
+                self._handovers = 0
                 self._bind_gate()
             if stream is not _KEEP:
                 self.stream = stream
@@ -210,11 +215,17 @@ class Listener:
         self._n += len(mic)
         if self._muted():
             return  # a muted microphone reaches neither the VAD nor the model
+        near = mic
         # While the reply is paused for the user, a short silence ends the interjection (then decide).
         self.segmenter.interjecting = self._interjecting()
         self.segmenter.both_streams = self._replying()  # the second Silero stream only while a barge-in may come
         if self.echo is not None and far is not None:
             mic = self.echo.process(mic, far)
+            if getattr(self.echo, "handovers", 0) != self._handovers:  # the stand-in gave the VAD over to Speex
+                self._handovers = self.echo.handovers
+                log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)
+        if self.tap is not None:
+            self.tap.write(near, far, mic)
         wake = self.wake
         if wake is not None:
             for sample in wake.process(mic):

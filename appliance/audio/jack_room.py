@@ -221,6 +221,7 @@ class JackRoom:
         self._active: list[Utterance] = []
         self.played: list[Utterance] = []
         self._heard: list[tuple[int, np.ndarray]] = []
+        self._said: list[tuple[int, np.ndarray]] = []  # what went into the microphone (echo, speech, noise)
         self.frame0: Optional[int] = None
         self.frames = 0  # the last callback's frame time + its frames
         self.last_loud: Optional[int] = None  # the last frame the appliance was heard (peak ≥ −50 dBFS)
@@ -327,9 +328,17 @@ class JackRoom:
     def heard(self, f0: int, f1: int) -> np.ndarray:
         """What the appliance played from frame ``f0`` to ``f1``, float32 at :attr:`rate` (zeros where
         the room missed a period)."""
+        return self._span(self._heard, f0, f1)
+
+    def said(self, f0: int, f1: int) -> np.ndarray:
+        """What the room wrote to the microphone (``mouth``: echo, scripted sound and noise) from frame ``f0``
+        to ``f1``, float32 at :attr:`rate` (zeros where the room missed a period)."""
+        return self._span(self._said, f0, f1)
+
+    def _span(self, rec: list, f0: int, f1: int) -> np.ndarray:
         out = np.zeros(max(0, f1 - f0), dtype=np.float32)
         with self._lock:
-            blocks = list(self._heard)
+            blocks = list(rec)
         for start, x in blocks:
             lo, hi = max(f0, start), min(f1, start + len(x))
             if hi > lo:
@@ -340,6 +349,7 @@ class JackRoom:
         """Drop the recording before ``frame`` (a long run keeps only what it still needs)."""
         with self._lock:
             self._heard = [(s, x) for s, x in self._heard if s + len(x) > frame]
+            self._said = [(s, x) for s, x in self._said if s + len(x) > frame]
             keep = bisect.bisect_left(self._cycles, frame - 60 * self.rate, key=lambda c: c[2])
             del self._cycles[:keep]  # the clock mapping keeps a minute before it
 
@@ -388,6 +398,7 @@ class JackRoom:
                     mic[lo - f0: hi - f0] += u.audio[lo - u.start: hi - u.start]
             self._active = [u for u in self._active if u.start + len(u.audio) > f0 + frames]
             self.frames = f0 + frames
+            self._said.append((f0, mic))
         out[:] = mic
 
     def _echo(self, ear: np.ndarray, f0: int, frames: int, gain: Optional[float]) -> np.ndarray:

@@ -545,7 +545,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
         "barge_in_split_ms": {k: {"p50": pct(part(k), 50), "p95": pct(part(k), 95), "max": max(part(k), default=None),
-                                  "n": len(part(k))} for k in ("vad_ms", "listener_ms", "output_ms")},
+                                  "n": len(part(k))} for k in ("vad_ms", "listener_ms", "output_ms")
+                              + (("input_ms",) if part("input_ms") else ())},
         "barge_in_in_reply_gap": {"count": in_gap(barge + by("short_stop")), "cold": in_gap(cold_barge)},
         "missed_interrupts": {"count": sum(1 for o in barge if not o.flushed), "n": len(barge)},
         # what the cold start costs: the first reply's audio served by the stand-in, and a barge-in on it

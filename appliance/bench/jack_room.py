@@ -26,8 +26,15 @@ Scenarios run one after the other on one service, as a running appliance meets t
 after the start is the ``first_reply`` case (a cold canceller). Barge-in latency = from the user's true
 onset (first sample above −40 dBFS, room clock) to the end of the last sample of the appliance's output
 above −50 dBFS as the room hears it, before the pause holds. A self-interruption is an ``interrupted``
-event in a reply with nobody talking (after the question has ended). ERLE is not measured here (the
-canceller's input and output stay inside the service); the simulated room measures it.
+event in a reply with nobody talking (after the question has ended).
+
+The service's own streams: the service runs with its listener's tap on (:mod:`appliance.audio.tap`: the
+microphone, far end and canceller output it processed), placed on the room's clock by cross-correlating the
+tap's microphone with what the room wrote to it (:class:`ServiceTap`). From it: ``erle_db`` (Σ mic² / Σ out²
+over the 10 ms frames with a far end and no scripted sound, as the simulated room counts it) and each
+barge-in's latency split (:func:`tap_split`; ``barge_in_split_ms`` with ``input_ms``). The tap costs the
+service a file write per microphone message (in ``listening_cpu_pct`` and ``speaking_cpu_pct`` here;
+``bench idle-cpu`` runs without it) and 192 kB of disk a second, in the run's temporary directory.
 
 CPU: ``listening_cpu_pct`` = CPU time of the service and its descendants (the audio worker) from
 ``/proc/<pid>/stat``, over a quiet stretch with the service listening, % of one core;
@@ -51,8 +58,11 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
+from ..audio.files import MODEL_RATE, resample
 from ..audio.jack_room import SILENT_PEAK, JackRoom
 from ..audio.room import synthetic_ir
+from ..audio.tap import ENV as TAP_ENV, read_tap
+from ..vad import WINDOW_MS
 from ..config import Config
 from ..errors import UserError
 from . import interruption as sim
@@ -60,6 +70,7 @@ from . import FIXTURE, FIXTURE_GGUF, FIXTURE_MMPROJ
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TIMELINE_TAG = " appliance.service: {"
+HANDOVER_TAG = "Speex took over from the stand-in at audio_t "  # appliance.pipeline's log line
 
 
 # --- the JACK server ---
@@ -170,6 +181,8 @@ class ServiceUnderTest:
         self.path.write_text(yaml.safe_dump(config))
         self.log = open(workdir / "service.log", "w", encoding="utf-8")
         self.records: list[tuple[float, dict]] = []
+        self.tap: Optional[ServiceTap] = None  # the listener's streams, if the service writes them
+        self.handovers: list[float] = []  # audio_t (s) of each hand-over from the canceller's stand-in to Speex
         self.state = "starting"
         self._lock = threading.Lock()
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "-v", "run", "--config", str(self.path)],
@@ -181,21 +194,30 @@ class ServiceUnderTest:
 
     def _read(self) -> None:
         for line in self.proc.stderr:
-            now = time.monotonic()
             self.log.write(line)
-            i = line.find(TIMELINE_TAG)
-            if i < 0:
-                continue
-            try:
-                rec = json.loads(line[i + len(TIMELINE_TAG) - 1:])
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or "event" not in rec:
-                continue
+            self.take(line, time.monotonic())
+
+    def take(self, line: str, now: float) -> None:
+        """One line of the service's stderr, arrived at ``now`` (``time.monotonic()``): a timeline record goes
+        to :attr:`records` (and :attr:`state`), a hand-over of the canceller to :attr:`handovers`."""
+        h = line.find(HANDOVER_TAG)
+        if h >= 0:
             with self._lock:
-                self.records.append((now, rec))
-                if rec["event"] == "state":
-                    self.state = rec["state"]
+                self.handovers.append(float(line[h + len(HANDOVER_TAG):].split()[0]))
+            return
+        i = line.find(TIMELINE_TAG)
+        if i < 0:
+            return
+        try:
+            rec = json.loads(line[i + len(TIMELINE_TAG) - 1:])
+        except ValueError:
+            return
+        if not isinstance(rec, dict) or "event" not in rec:
+            return
+        with self._lock:
+            self.records.append((now, rec))
+            if rec["event"] == "state":
+                self.state = rec["state"]
 
     def t0(self) -> float:
         """``time.monotonic()`` of the service's session clock's zero: min(arrival − t) over its records."""
@@ -281,6 +303,81 @@ def idle_cpu_split(pid: int, seconds: float) -> dict:
     return {"tree": pct(own + kids), "service": pct(own), "children": pct(kids)}
 
 
+# --- the service's own streams, placed on the room's clock ---
+
+class ServiceTap:
+    """The service's listener tap (:mod:`appliance.audio.tap`: its microphone, far end and canceller output at
+    16 kHz, sample ``k`` at ``audio_t = k / 16000``) placed on the room's clock: sample ``k`` is what the room
+    wrote to the microphone at frame ``offset + k·rate/16000``. The offset is found by cross-correlating the
+    tap's microphone with what the room wrote (:meth:`JackRoom.said`) around a loud stretch (the question);
+    one JACK clock, so it holds while no microphone block is lost.
+
+    :param path: the tap's file. :param rate: the room's rate, Hz (a multiple of 16 kHz).
+    """
+
+    def __init__(self, path: Path, rate: int):
+        self.path, self.rate = Path(path), int(rate)
+        self.step = self.rate // MODEL_RATE
+        self.offset: Optional[int] = None  # room frame of tap sample 0
+        self.peak: Optional[float] = None  # the correlation's peak, normalised (1: the same waveform)
+        self.offsets: list[int] = []  # every alignment found (one per case): a change means lost blocks
+
+    def read(self, start: int = 0, count: Optional[int] = None) -> np.ndarray:
+        """The tap's samples from ``start`` (:func:`read_tap`); none before the service wrote any."""
+        if not self.path.exists():
+            return np.zeros((0, 3), dtype=np.float32)
+        return read_tap(self.path, start, count)
+
+    def align(self, room: JackRoom, f0: int, f1: int) -> Optional[int]:
+        """Find the offset from the room's microphone between frames ``f0`` and ``f1`` (a loud stretch, at
+        most a few seconds); kept if the normalised correlation peak is above 0.9. The first call searches the whole
+        tap (call it on the first sound the service heard: the scenarios repeat their question); later calls look
+        within 0.5 s of where the known offset puts it (a check: :attr:`offsets`). :returns: the offset."""
+        ref = resample(room.said(f0, f1), self.rate, MODEL_RATE)
+        base = 0
+        if self.offset is not None:  # the same question every case: look only near where it must be
+            base = max(0, self.sample_of(f0) - MODEL_RATE // 2)
+            tap = self.read(base, len(ref) + MODEL_RATE)[:, 0]
+        else:
+            tap = self.read()[:, 0]
+        if len(tap) < len(ref) or not np.any(ref):
+            return self.offset
+        n = 1 << int(np.ceil(np.log2(len(tap) + len(ref))))
+        corr = np.fft.irfft(np.fft.rfft(tap, n) * np.conj(np.fft.rfft(ref, n)), n)[: len(tap) - len(ref) + 1]
+        k = int(np.argmax(corr))
+        seg = tap[k: k + len(ref)]
+        peak = float(corr[k] / max(np.sqrt(np.dot(seg, seg) * np.dot(ref, ref)), 1e-20))
+        if peak > 0.9:
+            self.offset, self.peak = f0 - (base + k) * self.step, round(peak, 4)
+            self.offsets.append(self.offset)
+        return self.offset
+
+    def sample_of(self, frame: int) -> int:
+        """The tap's sample for a room frame (:attr:`offset` known)."""
+        return (frame - self.offset) // self.step
+
+    def frame_of(self, audio_t: float) -> int:
+        """The room frame of the service's audio time ``audio_t`` (s)."""
+        return self.offset + int(round(audio_t * MODEL_RATE)) * self.step
+
+
+def erle_sums(tap: np.ndarray, k0: int, k1: int, busy: list[tuple[int, int]], frame: int = 160) -> tuple[float, float]:
+    """ERLE's numerator and denominator over the tap's samples ``k0``..``k1``: Σ mic² and Σ out² over the 10 ms
+    frames whose far end is not silent (Σ far² ≥ 1e-6, as the simulated room) and that overlap none of the
+    ``busy`` sample ranges (scripted sound in the microphone)."""
+    num = den = 0.0
+    for a in range(max(0, k0), min(k1, len(tap)) - frame + 1, frame):
+        b = a + frame
+        if any(lo < b and a < hi for lo, hi in busy):
+            continue
+        blk = tap[a:b]
+        if float(np.dot(blk[:, 1], blk[:, 1])) < 1e-6:
+            continue
+        num += float(np.dot(blk[:, 0], blk[:, 0]))
+        den += float(np.dot(blk[:, 2], blk[:, 2]))
+    return num, den
+
+
 # --- the suite ---
 
 def jack_suite(cache: sim.AudioCache, quick: bool = False, echo_only: int = 0) -> list[sim.Case]:
@@ -361,6 +458,8 @@ def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, 
     for r in svc.since(k0):
         if isinstance(r.get("t"), (int, float)):
             r = dict(r, t=round(room.seconds(room.frame_of(t0 + r["t"])), 4))
+            if r["event"] == "interrupted" and isinstance(r.get("onset_t"), (int, float)):  # the onset it answered
+                r["onset_t"] = round(room.seconds(room.frame_of(t0 + r["onset_t"])), 4)
         recs.append(r)
     speech = []
     if u is not None and u.start is not None:
@@ -395,17 +494,77 @@ def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, 
             out.heard_lag_ms = round((room.seconds(q.end + int(loud[0])) - spoke[0]) * 1000.0, 1)
     if u is None and (room.last_loud is None or q.end is None or room.last_loud < q.end):
         out.valid, out.note = False, "no reply was heard"
+    if svc.tap is not None:
+        from_tap(out, case, room, svc, q, u, start, recs)
     room.forget_before(start)
     return out
 
 
+def from_tap(out: sim.Outcome, case: sim.Case, room: JackRoom, svc: ServiceUnderTest, q, u, start: int,
+             recs: list[dict]) -> None:
+    """What the service's own streams say about a case (:class:`ServiceTap`): the canceller's ERLE over its
+    echo-only frames, and a barge-in's latency split (:func:`tap_split`). The tap is placed on the room's clock
+    at the question (``q``) and again at the interjection (``u``), since a lost microphone period (a JACK xrun
+    of the audio worker: measured here, 5 periods in the first two turns of a quick run on a loaded machine)
+    moves it."""
+    tap = svc.tap
+    if q.start is not None and q.end is not None:
+        tap.align(room, q.start + q.onset_offset, min(q.end, q.start + q.onset_offset + 2 * room.rate))
+    if tap.offset is None:
+        return
+    if case.echo_path:
+        margin = int(0.05 * room.rate)
+        busy = [(tap.sample_of(u.start - margin), tap.sample_of(u.start + len(u.audio) + margin))
+                for u in room.played if u.start is not None and u.start + len(u.audio) > start]
+        k0, k1 = tap.sample_of(start), tap.sample_of(room.now())
+        out.erle_num, out.erle_den = erle_sums(tap.read(k0, k1 - k0), 0, k1 - k0, [(a - k0, b - k0) for a, b in busy])
+    if out.barge is not None:
+        if u is not None and u.start is not None and u.end is not None:
+            tap.align(room, u.onset, min(u.end, u.onset + room.rate))
+        out.barge["split"] = tap_split(recs, out.barge, room, tap)
+
+
+def tap_split(recs: list[dict], barge: dict, room: JackRoom, tap: ServiceTap) -> Optional[dict]:
+    """Where a barge-in's latency went on the JACK room, ms (``recs``: the service's records, ``t`` on the room's
+    clock in s; ``barge``: the outcome's ``onset_t``, ``detected_ms``, ``output_silent_ms``):
+
+    - ``vad_ms``: the user's onset to the end of the VAD window that fired, on the service's audio clock placed
+      on the room's (:class:`ServiceTap`): the algorithm, as the simulated room's ``vad_ms``;
+    - ``input_ms``: that window's last sample written to the microphone to the ``vad_onset`` record: the input
+      path (JACK's period, PortAudio's blocks, the worker, the socket, the 48 → 16 kHz resampler's bursts, the
+      listener's queue and its canceller and VAD): ± one JACK period (the clock mapping);
+    - ``listener_ms``: the window's end to the pause, as the simulated room's (``input_ms`` and the decision);
+    - ``output_ms``: the pause to the output's silence as the room heard it (the fade, the worker's and
+      PortAudio's blocks, JACK's period).
+
+    None without the pause's ``vad_onset`` record (the one its ``onset_t`` names, on the room's clock)."""
+    paused = [r for r in recs if r["event"] == "interrupted" and r["t"] >= barge["onset_t"] - 0.05]
+    if not paused:
+        return None
+    onsets = [r for r in recs if r["event"] == "vad_onset" and r.get("audio_t") is not None
+              and abs(r["t"] - paused[0].get("onset_t", float("nan"))) < 1e-3]
+    if not onsets:
+        return None
+    ev = onsets[0]
+    window_end = ev["audio_t"] + WINDOW_MS / 1000.0
+    end_frame = tap.frame_of(window_end)
+    onset_frame = room.frame0 + int(round(barge["onset_t"] * room.rate))
+    vad_ms = 1000.0 * (end_frame - onset_frame) / room.rate
+    input_ms = 1000.0 * (ev["t"] - room.seconds(end_frame))
+    listener_ms = barge["detected_ms"] - vad_ms
+    silent = barge.get("output_silent_ms")
+    return {"vad_ms": round(vad_ms, 1), "input_ms": round(input_ms, 1), "listener_ms": round(listener_ms, 1),
+            "output_ms": None if silent is None else round(silent - barge["detected_ms"], 1)}
+
+
 @contextlib.contextmanager
 def service_in_room(cfg: Config, server_name: str, rate: int, period: int, drift_ppm: float, speaker: str,
-                    work_prefix: str, settle_s: float, print_line: Callable[[str], None]):
+                    work_prefix: str, settle_s: float, print_line: Callable[[str], None], tap: bool = False):
     """The service (``appliance run``'s code path, :class:`ServiceUnderTest`) on a JACK dummy server of its own
     named ``server_name`` (``rate`` Hz, ``period`` frames), with the room as its sound device; yields
     ``(server, room, svc)`` once the service is ``listening`` and ``settle_s`` more have passed (the worker's
-    streams and first blocks), and stops all three on the way out.
+    streams and first blocks), and stops all three on the way out. ``tap``: the service writes its listener's
+    streams (:mod:`appliance.audio.tap`) and ``svc.tap`` is their :class:`ServiceTap` (else None).
 
     :raises UserError: no jackd, or the service does not reach ``listening`` in 300 s.
     """
@@ -415,7 +574,9 @@ def service_in_room(cfg: Config, server_name: str, rate: int, period: int, drift
     try:
         room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
                         impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
-        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, server.env())
+        env = dict(server.env(), **({TAP_ENV: str(work / "tap.f32")} if tap else {}))
+        svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, env)
+        svc.tap = ServiceTap(work / "tap.f32", room.rate) if tap else None
         print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods), drift "
                    f"{drift_ppm:+g} ppm, {speaker} speaker; the service's log: {work / 'service.log'}")
         if not svc.wait_state("listening", 300):
@@ -454,21 +615,26 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
     cases = jack_suite(cache, quick, echo_only)
     # A server of its own name: a benchmark's room on the shared test server would add its load to it.
     with service_in_room(cfg, server_name or f"appliance-room{rate // 1000}", rate, period, drift_ppm, speaker,
-                         "appliance-jack-room-", 3.0, print_line) as (server, room, svc):
+                         "appliance-jack-room-", 3.0, print_line, tap=True) as (server, room, svc):
         idle = idle_cpu_pct(svc.proc.pid, idle_s if idle_s is not None else (10.0 if quick else 30.0))
         print_line(f"listening, idle: {idle} % of one core (service + audio worker)")
         meter = CpuMeter(svc)
         try:
             print_line(f"{len(cases)} scenarios, in real time")
             outcomes = []
+            handed_over = []  # (case, audio_t) of each hand-over from the AEC3 stand-in to Speex
             for c in cases:
+                seen = len(svc.handovers)
                 o = run_case(c, room, svc, reply_level, question)
                 outcomes.append(o)
+                handed_over += [{"case": f"{c.kind}: {c.label}", "audio_t": t} for t in svc.handovers[seen:]]
                 silent = o.barge.get("output_silent_ms") if o.barge else None
                 print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
                            f"resumed={o.resumed} silent_ms={silent} detected_ms="
                            f"{o.barge.get('detected_ms') if o.barge else None} gap_ms={o.resume_gap_ms} "
                            f"heard_after_speaking_ms={getattr(o, 'heard_lag_ms', None)}"
+                           + (f" split={o.barge['split']}" if o.barge and o.barge.get("split") else "")
+                           + (f" erle_db={10 * np.log10(o.erle_num / o.erle_den):.1f}" if o.erle_den > 0 else "")
                            + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
         finally:
             meter.stop()
@@ -481,8 +647,11 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
             "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
             "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
                      "drift_wander_ms": room.wander_ms},
-            "erle_db": None,
-            "not_run": ["cold_barge_in", "next_reply", "erle_db (inside the service)"],
+            # Which canceller served the VAD: the AEC3 stand-in until Speex showed convergence, then Speex.
+            "echo_hand_over": handed_over,
+            "tap": {"offset_frames": svc.tap.offsets[:1] + sorted(set(svc.tap.offsets[1:]) - set(svc.tap.offsets[:1])),
+                    "correlation": svc.tap.peak},
+            "not_run": ["cold_barge_in", "next_reply"],
             "model": "tiny random-weight Gemma 4 test fixture (hears; nonsense replies spoken by Piper)",
             "config": {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,
                        "classifier": cfg.interruption.classifier, "user_dbfs": sim.USER_DBFS,

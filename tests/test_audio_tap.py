@@ -1,0 +1,136 @@
+"""The listener's tap (issue 18): what the service's listener processed (microphone, far end, canceller
+output), written for the JACK room's benchmark, and the benchmark's use of it (ERLE, the latency split)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+
+def test_the_listener_writes_mic_far_and_the_cancellers_output_sample_for_sample(tmp_path, monkeypatch):
+    from appliance.audio.echo import EchoCanceller
+    from appliance.audio.tap import ENV, read_tap
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    monkeypatch.setenv(ENV, str(tmp_path / "tap.f32"))
+    rng = np.random.default_rng(0)
+    far = (0.1 * rng.standard_normal(16000)).astype(np.float32)
+    mic = (0.5 * np.concatenate([np.zeros(80), far[:-80]]) + 1e-3 * rng.standard_normal(16000)).astype(np.float32)
+    echo = EchoCanceller()
+    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=echo)
+    fed = 0
+    for n in (480, 333, 480, 1440, 7, 480):  # blocks that are not whole 10 ms frames
+        listener._process(mic[fed:fed + n], far[fed:fed + n])
+        fed += n
+    got = read_tap(tmp_path / "tap.f32")
+    whole = fed - fed % 160  # the canceller hands out complete 10 ms frames
+    assert got.shape == (whole, 3)
+    assert np.array_equal(got[:, 0], mic[:whole]) and np.array_equal(got[:, 1], far[:whole])
+    assert np.any(got[:, 2] != got[:, 0])  # the canceller's output, not the microphone
+    assert len(read_tap(tmp_path / "tap.f32", start=100, count=50)) == 50
+
+
+def test_no_tap_without_the_environment_variable(monkeypatch):
+    from appliance.audio.tap import ENV
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert Listener(VadSegmenter(SileroVad()), lambda *a, **k: None).tap is None
+
+
+def test_erle_counts_only_frames_with_a_far_end_and_no_scripted_sound():
+    from appliance.bench.jack_room import erle_sums
+
+    n = 1600
+    tap = np.zeros((n, 3), np.float32)
+    tap[:, 1] = 0.1  # far end playing throughout
+    tap[:, 0] = 0.1  # echo at the microphone
+    tap[:, 2] = 0.001  # 40 dB below after the canceller
+    tap[800:960, 2] = 0.1  # a frame with the user talking (busy): not counted
+    tap[1440:, 1] = 0.0  # far end silent: not counted
+    num, den = erle_sums(tap, 0, n, [(800, 960)])
+    assert round(10 * np.log10(num / den), 3) == 40.0
+    assert abs(num - 8 * 160 * 0.01) < 1e-4  # 10 frames, less the busy one and the silent one
+
+
+def test_the_latency_split_adds_up_to_the_barge_ins_latency():
+    """Onset at room frame 48000 (1 s); the VAD window that fired ends 40 ms later on the service's audio clock
+    (the tap's sample 0 is room frame 4800); the onset is posted 70 ms after that window's last sample was
+    written, the pause 1 ms later; the room hears silence 150 ms after the onset."""
+    from appliance.bench.jack_room import ServiceTap, tap_split
+    from appliance.vad import WINDOW_MS
+
+    room = SimpleNamespace(rate=48000, frame0=0, seconds=lambda f: f / 48000)
+    tap = ServiceTap.__new__(ServiceTap)
+    tap.rate, tap.step, tap.offset = 48000, 3, 4800
+    window_end_frame = 48000 + 40 * 48
+    audio_t = (window_end_frame - 4800) / 48000 - WINDOW_MS / 1000.0
+    recs = [{"event": "vad_onset", "t": 0.6, "audio_t": audio_t - 0.5},  # an earlier onset, not this pause's
+            {"event": "vad_onset", "t": 1.04 + 0.07, "audio_t": audio_t},
+            {"event": "vad_onset", "t": 1.1105, "audio_t": audio_t + 0.016},  # a later window, same pause
+            {"event": "interrupted", "t": 1.111, "onset_t": 1.11}]
+    split = tap_split(recs, {"onset_t": 1.0, "detected_ms": 111.0, "output_silent_ms": 150.0}, room, tap)
+    assert split == {"vad_ms": 40.0, "input_ms": 70.0, "listener_ms": 71.0, "output_ms": 39.0}
+
+
+def test_the_tap_is_placed_on_the_rooms_clock_by_its_waveform_even_when_the_question_repeats(tmp_path):
+    """The room wrote the same question twice (as every scenario does); the tap's sample 0 is room frame 30000.
+    The first alignment finds it from the first question; a later one, made on the second question, must find
+    the same offset (searching the whole tap would match the first question again)."""
+    from appliance.audio.files import resample
+    from appliance.bench.jack_room import ServiceTap
+
+    rng = np.random.default_rng(1)
+    q16 = (0.3 * rng.standard_normal(8000)).astype(np.float32)
+    mic16 = np.zeros(5 * 16000, np.float32)
+    mic16[16000:24000] = 2 * q16  # louder: a search of the whole tap would match it best
+    mic16[56000:64000] = q16
+    mic16 += (1e-3 * rng.standard_normal(len(mic16))).astype(np.float32)
+    offset = 30000
+    mouth = np.concatenate([np.zeros(offset, np.float32), resample(mic16, 16000, 48000)])
+    room = SimpleNamespace(said=lambda f0, f1: mouth[f0:f1])
+    with open(tmp_path / "tap.f32", "wb") as fh:
+        fh.write(np.stack([mic16, np.zeros_like(mic16), mic16], axis=1).tobytes())
+    tap = ServiceTap(tmp_path / "tap.f32", 48000)
+    first = offset + 16000 * 3
+    assert abs(tap.align(room, first, first + 24000) - offset) <= 3
+    second = offset + 56000 * 3
+    assert abs(tap.align(room, second, second + 24000) - offset) <= 3
+    assert tap.peak > 0.95 and len(tap.offsets) == 2
+
+
+def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(caplog):
+    """The listener logs the canceller's hand-over from its AEC3 stand-in to Speex once, with the audio time;
+    the JACK room's bench reads that line from the service's stderr (``echo_hand_over`` in its JSON), so a run
+    says which canceller served its replies. Measured here: at 0 ppm, clipping speaker, Speex took over in the
+    first reply and its ERLE was then 18-27 dB (the stand-in's 35-48); at +300 ppm it never took over."""
+    import logging
+    import threading
+
+    from appliance.bench.jack_room import ServiceUnderTest
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    class Echo:  # the canceller's interface the listener uses; hands over at its third call
+        handovers = 0
+        calls = 0
+
+        def process(self, mic, far):
+            self.calls += 1
+            self.handovers = int(self.calls >= 3)
+            return mic
+
+    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=Echo())
+    with caplog.at_level(logging.INFO, logger="appliance.pipeline"):
+        for _ in range(5):
+            listener._process(np.zeros(480, np.float32), np.zeros(480, np.float32))
+    lines = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert lines == ["echo canceller: Speex took over from the stand-in at audio_t 0.090 s"]
+    svc = ServiceUnderTest.__new__(ServiceUnderTest)
+    svc.records, svc.handovers, svc.state, svc._lock = [], [], "listening", threading.Lock()
+    svc.take("2026-12-01 17:00:00,000 INFO appliance.pipeline: " + lines[0] + "\n", 1.0)
+    svc.take('2026-12-01 17:00:00,000 DEBUG appliance.service: {"t": 1.5, "event": "state", "state": "speaking"}\n', 2.0)
+    assert svc.handovers == [0.09] and svc.state == "speaking" and len(svc.records) == 1
