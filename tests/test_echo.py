@@ -127,6 +127,15 @@ def test_onset_gate_needs_two_checks_just_under_the_threshold_and_is_stricter_wh
             ec._ratio_far.append(far)
             ec.frames += 1
 
+    # Before the echo floor is known (the first 0.8 s of far end): -8 dB, with no soft pass.
+    frames(-14.0, n=2)
+    assert not ec.near_end_present()
+    frames(-9.0, n=2)
+    assert not ec.near_end_present()  # within 6 dB twice: no soft pass yet
+    frames(-7.0, n=2)
+    assert ec.near_end_present()
+
+    ec._lt_in, ec._lt_out = [1.0] * 200, [1e-3] * 200  # a converged floor (-30 dB): the threshold is gate_db
     frames(-5.0)
     assert ec.near_end_present()  # clearly the near end
     frames(-14.0)
@@ -353,6 +362,21 @@ def test_speex_takes_over_only_once_its_convergence_has_held(parts):
     opened, ec = _first_reply(far, 6.0)
     assert opened == 0
     assert ec.stand_in_frames > 400  # the stand-in served the whole 7 s reply (speex converged about 3.5 s in)
+
+
+def test_the_stand_in_gate_is_strict_before_its_echo_floor_is_known(parts):
+    """The AEC3 stand-in removes only 7-14 dB of the first reply's first words, and before its own echo floor
+    exists (0.8 s of far end) its gate used gate_db (-10 dB) with the soft pass: this reply's first words
+    (0 dB, no IR, 37 ms of silence before it) opened it in 2 windows 0.8 s in. Measured here, offline,
+    the same in 5-6 of 390 cold first replies (13 Piper replies x 3 start offsets, -20..+10 dB, IR on
+    and off), all within the reply's first 0.85 s; with -8 dB and no soft pass until the floor exists, 2
+    (both at +10 dB)."""
+    far = fixed_speech(parts.tts, "The moon is the big rock that circles the Earth and shines with light from "
+                                  "the sun.")
+    far = np.concatenate([np.zeros(37 * 16, np.float32), far])[: 2 * 16000]
+    opened, ec = _first_reply(far, 0.0, ir=False)
+    assert opened == 0
+    assert ec.stand_in_frames >= 190  # the stand-in served those first 2 s
 
 
 def test_without_the_stand_in_a_cold_canceller_refuses_every_onset(far_end):

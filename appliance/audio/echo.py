@@ -74,6 +74,7 @@ GATE_MARGIN_DB = 12.0  # onset gate: at least this far above the echo floor (ech
 # for speech sat up to 12 dB above it, p95 9 dB, in 10 offline runs of Piper replies at 0/+6 dB, measured here)
 GATE_SOFT_DB = 6.0  # ... or within this of it in two consecutive checks (see near_end_present)
 GATE_MAX_DB = -6.0  # ... and never stricter than this (the user at least a quarter of the microphone's energy)
+GATE_NO_FLOOR_DB = -8.0  # ... and this, with no soft pass, before the echo floor is known (see near_end_present)
 OVER_DB = 3.0  # ... and at most this: an output louder than the input is the canceller's own estimate (_never_louder)
 HB_HZ = 2000.0  # the high band of the second test: fricatives and bursts live there, a vowel's energy does not
 HB_GATE_DB = -16.0  # high-band test: output/input energy ratio above HB_HZ at least this (an echo-only window
@@ -576,6 +577,11 @@ class EchoCanceller:
         # also within GATE_SOFT_DB of it: a user's onset under louder echo keeps the ratio up from window to
         # window, while the echo's excursions (the canceller momentarily behind) last one window.
         soft = r >= threshold - GATE_SOFT_DB
+        if self.echo_floor_db() is None:
+            # The floor is not known yet (the first 0.8 s of far end): the AEC3 stand-in removes only 7-14 dB
+            # of the reply's first words then, and its gate passed them at -14..-7 dB (measured here, offline,
+            # in 5-6 of 390 cold first replies, all in the reply's first 0.85 s).
+            threshold, soft = max(threshold, GATE_NO_FLOOR_DB), False
         passed = r >= threshold or (soft and self._last_soft is not None and self.frames - self._last_soft <= 2)
         self._last_soft = self.frames if soft else None
         passed = (passed or hb_passed) and r <= OVER_DB
