@@ -33,7 +33,7 @@ converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first converge
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
 suppressor keeps our echo out from its first frame, and holds back a user's onset. Once convergence has
-held for ``WARM_HOLD_FRAMES`` (1.5 s of far end), Speex takes over for good: a new echo path (a device
+held for ``WARM_HOLD_FRAMES`` (1.5 s of far end; at once where no band has an echo path), Speex takes over for good: a new echo path (a device
 reopened, a reload) gets a new canceller. A chime at start-up was
 measured as the other cure and rejected: Speex converged on the chime's bands reads as converged while speech bands are not,
 and a noise burst left the filter worse for speech than no sound at all.
@@ -454,7 +454,10 @@ class EchoCanceller:
             self._converged_frames = 0
         elif grew:  # the frames of this call count toward WARM_HOLD_FRAMES while convergence holds
             self._converged_frames += n
-            if self._converged_frames >= WARM_HOLD_FRAMES:
+            # (no hold where no band has an echo path: no residual to mistake for speech, and AEC3 with no
+            # echo to lock on held a user back: the demo's barge-in was detected 89 -> 730 ms with the hold)
+            echo = any(erl is None or erl > NO_ECHO_DB for erl in self.band_return_loss_db())
+            if self._converged_frames >= (WARM_HOLD_FRAMES if echo else 0):
                 self.warm, self._stand_in = True, None
                 self.handovers += 1
                 return
