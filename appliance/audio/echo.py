@@ -33,8 +33,8 @@ converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first converge
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
 suppressor keeps our echo out from its first frame, and holds back a user's onset. Once convergence has
-held for ``WARM_HOLD_FRAMES`` (1.5 s of far end; at once where no band has an echo path), Speex takes over for good: a new echo path (a device
-reopened, a reload) gets a new canceller. A chime at start-up was
+held for ``WARM_HOLD_FRAMES`` (1.5 s of far end; at once where no band has an echo path), Speex takes over
+for good: a new echo path (a device reopened, a reload) gets a new canceller. A chime at start-up was
 measured as the other cure and rejected: Speex converged on the chime's bands reads as converged while speech bands are not,
 and a noise burst left the filter worse for speech than no sound at all.
 
