@@ -384,3 +384,103 @@ def test_silence_inside_a_queued_reply_never_puts_the_ring_to_sleep():
     x = np.concatenate(played)
     assert pb.pending_samples == 0
     assert np.array_equal(x[:len(a) + len(b)], np.concatenate([a, b]))
+
+
+# --- the microphone's messages while nothing plays ---
+
+def test_an_idle_worker_sends_more_microphone_blocks_to_a_message_until_the_vad_hears_speech():
+    """Output idle and nobody talking: 6 blocks to an INPUT message (each message wakes a thread in each
+    process); from the VAD's onset (``ATTEND`` on) 3, so the end of the turn is heard as before; a reply
+    playing or paused: every block. The bytes go in order, the frames add up, the flags are or-ed."""
+    from appliance.audio.device.worker import LISTEN_INPUT_BLOCKS, QUIET_INPUT_BLOCKS, InputBatcher
+
+    assert (QUIET_INPUT_BLOCKS, LISTEN_INPUT_BLOCKS) == (6, 3)
+    b = InputBatcher()
+
+    def feed(k, idle, flags=0):
+        sent = []
+        for i in range(k):
+            msg = b.add(bytes([len(sent), i]) * 4, 480, flags if i == 0 else 0, idle)
+            if msg is not None:
+                sent.append(msg)
+        return sent
+
+    quiet = feed(12, idle=True, flags=0x2)
+    assert [(len(m[0]), m[2]) for m in quiet] == [(48, 2880)] * 2
+    assert quiet[0][1] == 0x2 and quiet[1][1] == 0  # the overflow flag went with its block's message
+    assert quiet[0][0] == b"".join(bytes([0, i]) * 4 for i in range(6))
+    b.attentive = True
+    assert [m[2] for m in feed(12, idle=True)] == [1440] * 4
+    b.attentive = False
+    assert [m[2] for m in feed(6, idle=False)] == [480] * 6  # a reply plays (or is paused): block by block
+    assert feed(5, idle=True) == []
+    assert [m[2] for m in feed(1, idle=False)] == [6 * 480]  # the reply's WAKE: what was held goes at once
+
+
+def test_the_device_tells_its_worker_when_the_vad_hears_speech():
+    """``DeviceAudio.observe`` (the conversation's records): ``ATTEND`` on at a ``vad_onset``, off at the
+    utterance's ``vad_end`` or ``vad_reject``, once per change; other records say nothing."""
+    import socket
+
+    from appliance.audio.device import DeviceAudio
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.host import _Link
+
+    dev = DeviceAudio("mic", "speaker", 10, 16000)
+    ours, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    worker.setblocking(False)
+    dev._link = _Link(proc=None, sock=ours)
+    try:
+        for event in ("state", "vad_onset", "vad_start", "vad_onset", "vad_progress", "vad_end", "vad_onset",
+                      "vad_reject", "vad_reject", "turn_end"):
+            dev.observe({"t": 0.0, "event": event})
+        got = []
+        while True:
+            try:
+                got.append(worker.recv(64))
+            except BlockingIOError:
+                break
+    finally:
+        ours.close()
+        worker.close()
+    assert [(p.kind_of(m), p.unpack_attend(m)) for m in got] == [(p.Kind.ATTEND, True), (p.Kind.ATTEND, False),
+                                                                  (p.Kind.ATTEND, True), (p.Kind.ATTEND, False)]
+
+
+@pytest.mark.skipif(__import__("jack_dummy").why_skip() is not None, reason=str(__import__("jack_dummy").why_skip()))
+def test_on_real_streams_an_idle_device_sends_6_blocks_to_a_message_and_3_while_the_vad_hears_speech():
+    """On the shared JACK dummy server (16 kHz: one capture per INPUT message, no resampler in between):
+    idle and quiet, a capture every 60 ms; after a ``vad_onset`` record every 30 ms; after its ``vad_end``
+    every 60 ms again; every sample delivered throughout."""
+    import jack_dummy as jd
+    from appliance.audio.device import DeviceAudio
+    from appliance.playback import Playback
+
+    user = jd.User()
+    dev = DeviceAudio("user", "user", 10, 16000)
+    pb = Playback(16000, port=dev)
+    sizes = []
+    dev.start(pb.take, lambda m, f: sizes.append(len(m)), pb.port_silent)
+    try:
+        assert dev.wait_open(15)
+        time.sleep(0.8)  # the output goes idle after 0.2 s of silence
+
+        def window(seconds=1.0):
+            k = len(sizes)
+            time.sleep(seconds)
+            return sizes[k:]
+
+        quiet = window()
+        dev.observe({"t": 0.0, "event": "vad_onset"})
+        time.sleep(0.1)
+        heard = window()
+        dev.observe({"t": 0.0, "event": "vad_end"})
+        time.sleep(0.1)
+        quiet2 = window()
+    finally:
+        dev.stop()
+        user.close()
+    for got, block in ((quiet, 960), (heard, 480), (quiet2, 960)):
+        assert got and sum(s == block for s in got) >= len(got) - 1, (block, got)  # (one message at a switch)
+        assert 0.6 * 16000 <= sum(got) <= 1.4 * 16000, got  # paced by the server, nothing lost
+
