@@ -484,3 +484,88 @@ def test_on_real_streams_an_idle_device_sends_6_blocks_to_a_message_and_3_while_
         assert got and sum(s == block for s in got) >= len(got) - 1, (block, got)  # (one message at a switch)
         assert 0.6 * 16000 <= sum(got) <= 1.4 * 16000, got  # paced by the server, nothing lost
 
+
+# --- Speex while nobody talks and nothing plays ---
+
+def _turn_and_replies(noise_db: float, seed: int = 3):
+    """(mic, far, replying) at 16 kHz: 3 s of a quiet room (white noise at ``noise_db`` dBFS) with nothing
+    played, the user's question (the demo's), 1.5 s of thinking, a reply (the same recording as the far end)
+    through a 30 ms + RT60 150 ms echo path at 0 dB with the user's "Wait." over it from 1 s in, 2 s of
+    silence and a second reply that the user talks over from its first 20 ms. ``replying``: per sample, the
+    appliance answers (thinking, speaking), from 1 s before the first reply on."""
+    from pathlib import Path
+
+    from appliance.audio.files import load_audio
+    from appliance.audio.room import synthetic_ir
+
+    demo = Path(__file__).resolve().parent.parent / "demo"
+    question, wait = load_audio(demo / "question.wav"), 0.5 * load_audio(demo / "wait.wav")
+    reply = question
+    sec = 16000
+    t_q = 3 * sec
+    t_reply = t_q + len(question) + int(1.5 * sec)
+    t_reply2 = t_reply + len(reply) + 2 * sec
+    total = t_reply2 + len(reply) + sec
+    far = np.zeros(total, np.float32)
+    far[t_reply:t_reply + len(reply)] = reply
+    far[t_reply2:t_reply2 + len(reply)] = reply
+    echo = np.convolve(np.concatenate([np.zeros(480), far]), synthetic_ir(150.0))[:total]
+    near = np.zeros(total)
+    near[t_q:t_q + len(question)] += 0.7 * question
+    for at in (t_reply + sec, t_reply2 + 320):
+        near[at:at + len(wait)] += wait[:total - at]
+    mic = echo + near + 10 ** (noise_db / 20) * np.random.default_rng(seed).standard_normal(total)
+    replying = np.zeros(total, bool)
+    replying[t_reply - sec:] = True
+    return mic.astype(np.float32), far, replying
+
+
+def _listen(mic, far, replying, bypass: bool, noise_suppression: bool = True):
+    """The listener's loop (pipeline.Listener._process) over 30 ms blocks with a canceller that may bypass Speex
+    while quiet (``bypass``) or never does: per block (output, whether replying, gate answers after it), the
+    VAD's events, the canceller."""
+    from appliance.audio.echo import EchoCanceller
+    from appliance.vad import SileroVad, VadSegmenter
+
+    ec = EchoCanceller("speex", noise_suppression=noise_suppression, gate_db=-10.0)
+    ec.bypass_idle = bypass
+    seg = VadSegmenter(SileroVad())
+    seg.use_gate(ec.near_end_present, ec.near_end_clear)
+    blocks, events = [], []
+    for i in range(0, len(mic), 480):
+        rep = bool(replying[i])
+        seg.both_streams = rep
+        out = ec.process(mic[i:i + 480], far[i:i + 480], quiet=not rep and not seg.in_speech)
+        events += [(e.kind, e.t_sample) for e in seg.push(out)]
+        gate = tuple((ec.near_end_present(n), ec.near_end_clear(n)) for n in (512, 1024)) if rep else None
+        blocks.append((out, rep, gate))
+    return blocks, events, ec
+
+
+@pytest.mark.parametrize("noise_db", [-70.0, -50.0])
+def test_speex_bypassed_while_quiet_leaves_the_onset_and_the_speaking_path_as_they_were(noise_db):
+    """Listening with nothing played and no utterance under way, Speex is bypassed (the VAD hears the
+    microphone as it is); the VAD's onset re-warms it. On real Silero, real speech and the canceller's gate:
+
+    - the question's onset comes at the same window (the bypassed VAD hears it unprocessed);
+    - over the two replies (the user talking over both) every onset-gate answer is the same, and so is
+      every VAD onset (when a barge-in pauses the reply);
+    - with the preprocessor off, every output sample over the replies is the same: the re-warmed canceller is
+      the one that never stopped (what remains different with it on is the preprocessor's noise estimate).
+    """
+    mic, far, replying = _turn_and_replies(noise_db)
+    skip_blocks, skip_events, skip = _listen(mic, far, replying, bypass=True)
+    full_blocks, full_events, full = _listen(mic, far, replying, bypass=False)
+    assert skip.bypassed_frames >= 250 and full.bypassed_frames == 0  # the first 3 s, less the tail, bypassed
+    first = lambda evs, kind: [t for k, t in evs if k == kind][0]  # noqa: E731
+    assert first(skip_events, "onset") == first(full_events, "onset")  # the question's
+    t_reply = int(np.flatnonzero(replying)[0])
+    onsets = lambda evs: [t for k, t in evs if k == "onset" and t >= t_reply]  # noqa: E731
+    assert len(onsets(full_events)) >= 2 and onsets(skip_events) == onsets(full_events)
+    gates = [(a[2], b[2]) for a, b in zip(skip_blocks, full_blocks) if a[1]]
+    assert len(gates) > 150 and all(a == b for a, b in gates)
+
+    skip_blocks, _, skip = _listen(mic, far, replying, bypass=True, noise_suppression=False)
+    full_blocks, _, _ = _listen(mic, far, replying, bypass=False, noise_suppression=False)
+    assert skip.bypassed_frames >= 250
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(skip_blocks, full_blocks) if a[1])
