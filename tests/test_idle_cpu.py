@@ -569,3 +569,16 @@ def test_speex_bypassed_while_quiet_leaves_the_onset_and_the_speaking_path_as_th
     full_blocks, _, _ = _listen(mic, far, replying, bypass=False, noise_suppression=False)
     assert skip.bypassed_frames >= 250
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(skip_blocks, full_blocks) if a[1])
+
+
+def test_the_cost_per_frame_counts_only_the_frames_speex_processed():
+    """``ms_per_frame`` (replay's ``echo_ms_per_frame``) stays the library's cost per frame: a bypassed frame
+    costs next to nothing and is not counted."""
+    from appliance.audio.echo import EchoCanceller
+
+    rng = np.random.default_rng(0)
+    ec = EchoCanceller("speex", noise_suppression=True)
+    for _ in range(40):  # 1.2 s of a quiet room: bypassed after the tail
+        ec.process((1e-3 * rng.standard_normal(480)).astype(np.float32), np.zeros(480, np.float32), quiet=True)
+    assert 0 < ec.bypassed_frames < ec.frames
+    assert ec.ms_per_frame == pytest.approx(ec.busy_s * 1000.0 / (ec.frames - ec.bypassed_frames))

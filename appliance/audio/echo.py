@@ -707,8 +707,10 @@ class EchoCanceller:
 
     @property
     def ms_per_frame(self) -> Optional[float]:
-        """Mean compute time per 10 ms frame, ms (measured here), or None before any frame."""
-        return self.busy_s * 1000.0 / self.frames if self.frames else None
+        """Mean compute time per 10 ms frame that went through the library, ms (measured here; the
+        re-warms after a bypass included, the bypassed frames not), or None before any such frame."""
+        done = self.frames - self.bypassed_frames
+        return self.busy_s * 1000.0 / done if done > 0 else None
 
 
 class GateRow(NamedTuple):
