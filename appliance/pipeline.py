@@ -90,7 +90,8 @@ class Listener:
 
     :param segmenter: the VAD hysteresis.
     :param post: the conversation's ``post``.
-    :param echo: optional canceller with ``process(mic, far_end) -> mic`` on 10 ms blocks at 16 kHz.
+    :param echo: optional canceller with ``process(mic, far_end, quiet=...) -> mic`` on 10 ms blocks at 16 kHz
+        (:class:`~appliance.audio.echo.EchoCanceller`; ``quiet``: listening and the VAD in no utterance).
     :param transcript_at: optional ``f(sample) -> text`` (the scenario's transcript, for text-only models).
     :param muted: ``() -> bool``, read per block: the mute switch (the conversation's); a muted microphone
         reaches neither the VAD nor the model.
@@ -98,7 +99,8 @@ class Listener:
         is ``interrupted``), so a short silence ends the interjection.
     :param replying: ``() -> bool``, read per block: the appliance is answering (thinking, speaking or
         interrupted), so a barge-in may come: the VAD runs both of its phase-shifted streams (a probability
-        every 16 ms); otherwise one (every 32 ms, half the inference; see ``VadSegmenter.both_streams``).
+        every 16 ms); otherwise one (every 32 ms, half the inference; see ``VadSegmenter.both_streams``),
+        and while its VAD is in no utterance either, the canceller may skip Speex (``quiet``).
     """
 
     def __init__(self, segmenter: VadSegmenter, post: Callable[..., None], echo=None,
@@ -218,9 +220,12 @@ class Listener:
         near = mic
         # While the reply is paused for the user, a short silence ends the interjection (then decide).
         self.segmenter.interjecting = self._interjecting()
-        self.segmenter.both_streams = self._replying()  # the second Silero stream only while a barge-in may come
+        replying = self._replying()
+        self.segmenter.both_streams = replying  # the second Silero stream only while a barge-in may come
         if self.echo is not None and far is not None:
-            mic = self.echo.process(mic, far)
+            # Quiet (listening, no utterance under way): the canceller may pass a block whose far end has
+            # long been silent straight through (EchoCanceller.process); the VAD hears it unprocessed.
+            mic = self.echo.process(mic, far, quiet=not replying and not self.segmenter.in_speech)
             if getattr(self.echo, "handovers", 0) != self._handovers:  # the stand-in gave the VAD over to Speex
                 self._handovers = self.echo.handovers
                 log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)

@@ -384,3 +384,201 @@ def test_silence_inside_a_queued_reply_never_puts_the_ring_to_sleep():
     x = np.concatenate(played)
     assert pb.pending_samples == 0
     assert np.array_equal(x[:len(a) + len(b)], np.concatenate([a, b]))
+
+
+# --- the microphone's messages while nothing plays ---
+
+def test_an_idle_worker_sends_more_microphone_blocks_to_a_message_until_the_vad_hears_speech():
+    """Output idle and nobody talking: 6 blocks to an INPUT message (each message wakes a thread in each
+    process); from the VAD's onset (``ATTEND`` on) 3, so the end of the turn is heard as before; a reply
+    playing or paused: every block. The bytes go in order, the frames add up, the flags are or-ed."""
+    from appliance.audio.device.worker import LISTEN_INPUT_BLOCKS, QUIET_INPUT_BLOCKS, InputBatcher
+
+    assert (QUIET_INPUT_BLOCKS, LISTEN_INPUT_BLOCKS) == (6, 3)
+    b = InputBatcher()
+
+    def feed(k, idle, flags=0):
+        sent = []
+        for i in range(k):
+            msg = b.add(bytes([len(sent), i]) * 4, 480, flags if i == 0 else 0, idle)
+            if msg is not None:
+                sent.append(msg)
+        return sent
+
+    quiet = feed(12, idle=True, flags=0x2)
+    assert [(len(m[0]), m[2]) for m in quiet] == [(48, 2880)] * 2
+    assert quiet[0][1] == 0x2 and quiet[1][1] == 0  # the overflow flag went with its block's message
+    assert quiet[0][0] == b"".join(bytes([0, i]) * 4 for i in range(6))
+    b.attentive = True
+    assert [m[2] for m in feed(12, idle=True)] == [1440] * 4
+    b.attentive = False
+    assert [m[2] for m in feed(6, idle=False)] == [480] * 6  # a reply plays (or is paused): block by block
+    assert feed(5, idle=True) == []
+    assert [m[2] for m in feed(1, idle=False)] == [6 * 480]  # the reply's WAKE: what was held goes at once
+
+
+def test_the_device_tells_its_worker_when_the_vad_hears_speech():
+    """``DeviceAudio.observe`` (the conversation's records): ``ATTEND`` on at a ``vad_onset``, off at the
+    utterance's ``vad_end`` or ``vad_reject``, once per change; other records say nothing."""
+    import socket
+
+    from appliance.audio.device import DeviceAudio
+    from appliance.audio.device import protocol as p
+    from appliance.audio.device.host import _Link
+
+    dev = DeviceAudio("mic", "speaker", 10, 16000)
+    ours, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    worker.setblocking(False)
+    dev._link = _Link(proc=None, sock=ours)
+    try:
+        for event in ("state", "vad_onset", "vad_start", "vad_onset", "vad_progress", "vad_end", "vad_onset",
+                      "vad_reject", "vad_reject", "turn_end"):
+            dev.observe({"t": 0.0, "event": event})
+        got = []
+        while True:
+            try:
+                got.append(worker.recv(64))
+            except BlockingIOError:
+                break
+    finally:
+        ours.close()
+        worker.close()
+    assert [(p.kind_of(m), p.unpack_attend(m)) for m in got] == [(p.Kind.ATTEND, True), (p.Kind.ATTEND, False),
+                                                                  (p.Kind.ATTEND, True), (p.Kind.ATTEND, False)]
+
+
+@pytest.mark.skipif(__import__("jack_dummy").why_skip() is not None, reason=str(__import__("jack_dummy").why_skip()))
+def test_on_real_streams_an_idle_device_sends_6_blocks_to_a_message_and_3_while_the_vad_hears_speech():
+    """On the shared JACK dummy server (16 kHz: one capture per INPUT message, no resampler in between):
+    idle and quiet, a capture every 60 ms; after a ``vad_onset`` record every 30 ms; after its ``vad_end``
+    every 60 ms again; every sample delivered throughout."""
+    import jack_dummy as jd
+    from appliance.audio.device import DeviceAudio
+    from appliance.playback import Playback
+
+    user = jd.User()
+    dev = DeviceAudio("user", "user", 10, 16000)
+    pb = Playback(16000, port=dev)
+    sizes = []
+    dev.start(pb.take, lambda m, f: sizes.append(len(m)), pb.port_silent)
+    try:
+        assert dev.wait_open(15)
+        time.sleep(0.8)  # the output goes idle after 0.2 s of silence
+
+        def window(seconds=1.0):
+            k = len(sizes)
+            time.sleep(seconds)
+            return sizes[k:]
+
+        quiet = window()
+        dev.observe({"t": 0.0, "event": "vad_onset"})
+        time.sleep(0.1)
+        heard = window()
+        dev.observe({"t": 0.0, "event": "vad_end"})
+        time.sleep(0.1)
+        quiet2 = window()
+    finally:
+        dev.stop()
+        user.close()
+    for got, block in ((quiet, 960), (heard, 480), (quiet2, 960)):
+        assert got and sum(s == block for s in got) >= len(got) - 1, (block, got)  # (one message at a switch)
+        assert 0.6 * 16000 <= sum(got) <= 1.4 * 16000, got  # paced by the server, nothing lost
+
+
+# --- Speex while nobody talks and nothing plays ---
+
+def _turn_and_replies(noise_db: float, seed: int = 3):
+    """(mic, far, replying) at 16 kHz: 3 s of a quiet room (white noise at ``noise_db`` dBFS) with nothing
+    played, the user's question (the demo's), 1.5 s of thinking, a reply (the same recording as the far end)
+    through a 30 ms + RT60 150 ms echo path at 0 dB with the user's "Wait." over it from 1 s in, 2 s of
+    silence and a second reply that the user talks over from its first 20 ms. ``replying``: per sample, the
+    appliance answers (thinking, speaking), from 1 s before the first reply on."""
+    from pathlib import Path
+
+    from appliance.audio.files import load_audio
+    from appliance.audio.room import synthetic_ir
+
+    demo = Path(__file__).resolve().parent.parent / "demo"
+    question, wait = load_audio(demo / "question.wav"), 0.5 * load_audio(demo / "wait.wav")
+    reply = question
+    sec = 16000
+    t_q = 3 * sec
+    t_reply = t_q + len(question) + int(1.5 * sec)
+    t_reply2 = t_reply + len(reply) + 2 * sec
+    total = t_reply2 + len(reply) + sec
+    far = np.zeros(total, np.float32)
+    far[t_reply:t_reply + len(reply)] = reply
+    far[t_reply2:t_reply2 + len(reply)] = reply
+    echo = np.convolve(np.concatenate([np.zeros(480), far]), synthetic_ir(150.0))[:total]
+    near = np.zeros(total)
+    near[t_q:t_q + len(question)] += 0.7 * question
+    for at in (t_reply + sec, t_reply2 + 320):
+        near[at:at + len(wait)] += wait[:total - at]
+    mic = echo + near + 10 ** (noise_db / 20) * np.random.default_rng(seed).standard_normal(total)
+    replying = np.zeros(total, bool)
+    replying[t_reply - sec:] = True
+    return mic.astype(np.float32), far, replying
+
+
+def _listen(mic, far, replying, bypass: bool, noise_suppression: bool = True):
+    """The listener's loop (pipeline.Listener._process) over 30 ms blocks with a canceller that may bypass Speex
+    while quiet (``bypass``) or never does: per block (output, whether replying, gate answers after it), the
+    VAD's events, the canceller."""
+    from appliance.audio.echo import EchoCanceller
+    from appliance.vad import SileroVad, VadSegmenter
+
+    ec = EchoCanceller("speex", noise_suppression=noise_suppression, gate_db=-10.0)
+    ec.bypass_idle = bypass
+    seg = VadSegmenter(SileroVad())
+    seg.use_gate(ec.near_end_present, ec.near_end_clear)
+    blocks, events = [], []
+    for i in range(0, len(mic), 480):
+        rep = bool(replying[i])
+        seg.both_streams = rep
+        out = ec.process(mic[i:i + 480], far[i:i + 480], quiet=not rep and not seg.in_speech)
+        events += [(e.kind, e.t_sample) for e in seg.push(out)]
+        gate = tuple((ec.near_end_present(n), ec.near_end_clear(n)) for n in (512, 1024)) if rep else None
+        blocks.append((out, rep, gate))
+    return blocks, events, ec
+
+
+@pytest.mark.parametrize("noise_db", [-70.0, -50.0])
+def test_speex_bypassed_while_quiet_leaves_the_onset_and_the_speaking_path_as_they_were(noise_db):
+    """Listening with nothing played and no utterance under way, Speex is bypassed (the VAD hears the
+    microphone as it is); the VAD's onset re-warms it. On real Silero, real speech and the canceller's gate:
+
+    - the question's onset comes at the same window (the bypassed VAD hears it unprocessed);
+    - over the two replies (the user talking over both) every onset-gate answer is the same, and so is
+      every VAD onset (when a barge-in pauses the reply);
+    - with the preprocessor off, every output sample over the replies is the same: the re-warmed canceller is
+      the one that never stopped (what remains different with it on is the preprocessor's noise estimate).
+    """
+    mic, far, replying = _turn_and_replies(noise_db)
+    skip_blocks, skip_events, skip = _listen(mic, far, replying, bypass=True)
+    full_blocks, full_events, full = _listen(mic, far, replying, bypass=False)
+    assert skip.bypassed_frames >= 250 and full.bypassed_frames == 0  # the first 3 s, less the tail, bypassed
+    first = lambda evs, kind: [t for k, t in evs if k == kind][0]  # noqa: E731
+    assert first(skip_events, "onset") == first(full_events, "onset")  # the question's
+    t_reply = int(np.flatnonzero(replying)[0])
+    onsets = lambda evs: [t for k, t in evs if k == "onset" and t >= t_reply]  # noqa: E731
+    assert len(onsets(full_events)) >= 2 and onsets(skip_events) == onsets(full_events)
+    gates = [(a[2], b[2]) for a, b in zip(skip_blocks, full_blocks) if a[1]]
+    assert len(gates) > 150 and all(a == b for a, b in gates)
+
+    skip_blocks, _, skip = _listen(mic, far, replying, bypass=True, noise_suppression=False)
+    full_blocks, _, _ = _listen(mic, far, replying, bypass=False, noise_suppression=False)
+    assert skip.bypassed_frames >= 250
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(skip_blocks, full_blocks) if a[1])
+
+
+def test_the_cost_per_frame_counts_only_the_frames_speex_processed():
+    """``ms_per_frame`` (replay's ``echo_ms_per_frame``) stays the library's cost per frame: a bypassed frame
+    costs next to nothing and is not counted."""
+    from appliance.audio.echo import EchoCanceller
+
+    rng = np.random.default_rng(0)
+    ec = EchoCanceller("speex", noise_suppression=True)
+    for _ in range(40):  # 1.2 s of a quiet room: bypassed after the tail
+        ec.process((1e-3 * rng.standard_normal(480)).astype(np.float32), np.zeros(480, np.float32), quiet=True)
+    assert 0 < ec.bypassed_frames < ec.frames
+    assert ec.ms_per_frame == pytest.approx(ec.busy_s * 1000.0 / (ec.frames - ec.bypassed_frames))

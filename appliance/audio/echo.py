@@ -97,6 +97,7 @@ _BAND_OF_BIN = np.digitize(_FREQS, BAND_EDGES_HZ[1:-1])  # bin -> band index 0..
 N_BANDS = len(BAND_EDGES_HZ) - 1
 BACKENDS = ("webrtc", "speex")
 UNBANDED_FRAMES = 64  # idle frames whose bands are computed when read: as many as the per-frame lists keep
+BYPASS_REWARM_FRAMES = 20  # the bypassed frames Speex processes when it is needed again (EchoCanceller._rewarm)
 
 
 def _to_i16(x: np.ndarray) -> np.ndarray:
@@ -247,6 +248,14 @@ class EchoCanceller:
         # computed only when the far end returns or a reader asks (see process, _fill_bands). False: every frame.
         self.skip_idle_bands = True
         self._unbanded: list[tuple[int, np.ndarray, np.ndarray]] = []  # (frame number, near, out) [FRAME] each
+        # Quiet (process(quiet=True): nobody heard, nothing played): Speex is bypassed once the far end has
+        # been digital silence for its tail and a frame more (its far-end history all zeros), and re-warmed
+        # on the last bypassed frames when it is needed again (_rewarm). False: never.
+        self.bypass_idle = True
+        self._bypass_after = self._tail // FRAME + 2  # far-silent frames before a block may be bypassed
+        self._far_silent_run = 0  # consecutive far-silent frames processed so far
+        self._bypassed: list[tuple[int, np.ndarray]] = []  # (frame number, near) of the last bypassed frames
+        self.bypassed_frames = 0
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -260,12 +269,15 @@ class EchoCanceller:
         WebRTC uses it; see :func:`stream_delay_ms`)."""
         self._impl.set_delay_ms(int(round(ms)))
 
-    def process(self, mic: np.ndarray, far_end: Optional[np.ndarray]) -> np.ndarray:
+    def process(self, mic: np.ndarray, far_end: Optional[np.ndarray], quiet: bool = False) -> np.ndarray:
         """Cancel the echo of ``far_end`` in ``mic``.
 
         :param mic: float32 [n] near end, 16 kHz.
         :param far_end: float32 [m] samples played since the previous call, 16 kHz (None or short: the
             missing far end counts as silence, so the canceller never waits for it).
+        :param quiet: the caller hears nobody and plays nothing (the listener: listening, its VAD in no
+            utterance): with Speex, a block whose far end has been digital silence for longer than the
+            filter's tail passes through unprocessed (see :meth:`_rewarm`). False: every frame is processed.
         :returns: float32 [k] cancelled near end, k = the complete 10 ms frames now buffered.
         """
         self._near = np.concatenate([self._near, np.asarray(mic, dtype=np.float32).reshape(-1)])
@@ -280,10 +292,23 @@ class EchoCanceller:
         out = np.empty(need, dtype=np.float32)
         near, far = self._near[:need].reshape(n, FRAME), self._far[:need].reshape(n, FRAME)
         e_far = _energy(far)
+        loud = np.flatnonzero(e_far)
+        before = self._far_silent_run  # far-silent frames before this block's first
+        self._far_silent_run = before + n if not len(loud) else n - 1 - int(loud[-1])
+        bypass = quiet and self.bypass_idle and self.backend == "speex" and not len(loud) and \
+            before + 1 >= self._bypass_after
         t0 = time.perf_counter()
-        for i in range(n):
-            sl = slice(i * FRAME, (i + 1) * FRAME)
-            out[sl] = self._impl.frame(self._near[sl], self._far[sl])
+        if bypass:
+            out[:] = self._near[:need]
+            self._bypassed.extend((self.frames + i, near[i].copy()) for i in range(n))
+            del self._bypassed[:-BYPASS_REWARM_FRAMES]
+            self.bypassed_frames += n
+        else:
+            if self._bypassed:
+                self._rewarm()
+            for i in range(n):
+                sl = slice(i * FRAME, (i + 1) * FRAME)
+                out[sl] = self._impl.frame(self._near[sl], self._far[sl])
         self.busy_s += time.perf_counter() - t0
         out_f = out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
@@ -350,6 +375,42 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
+
+    def _rewarm(self) -> None:
+        """Speex again after a bypass (:meth:`process` with ``quiet``): the last ``BYPASS_REWARM_FRAMES``
+        bypassed frames go through it first (the far end digital silence, as it was), their output dropped,
+        so that its short memories (the DC notch and pre-emphasis, the preprocessor's overlap and its noise
+        estimate) are the room's of just now and the next frame comes out without a seam; and what those
+        frames would have given is written into the per-frame figures the onset gate reads (in place of
+        the bypass's 0 dB), as if Speex had processed them.
+
+        The filter itself (what the echo path is, learnt during replies) is untouched by a bypass: with a
+        far end silent for longer than the tail, Speex's far-end history is all zeros, so it estimates no
+        echo and its gradient is zero. What a bypass does change: the slow averages Speex keeps of the far
+        end's power and of its residual (0.6–1 s time constants) follow the idle room only from the re-warm
+        on; the listener bypasses only while nothing plays and its VAD hears no utterance, so Speex has
+        run through the whole of a user's turn (its onset re-warms it) before a reply starts.
+        """
+        frames, near = zip(*self._bypassed)
+        self._bypassed = []
+        zero = np.zeros(FRAME, dtype=np.float32)
+        outs = np.stack([self._impl.frame(x, zero) for x in near])
+        e_in, e_out = _energy(np.stack(near)), _energy(outs)
+        _never_louder(outs, e_out, e_in)  # (the lists keep the energy before it, the bands after it)
+        unbanded = {f: k for k, (f, _, _) in enumerate(self._unbanded)}
+        b_out = None
+        for j, f in enumerate(frames):
+            back = self.frames - f  # 1: the newest frame in the lists
+            if back > len(self._ratio_out):
+                continue
+            self._ratio_out[-back] = float(e_out[j])
+            if f in unbanded:
+                k = unbanded[f]
+                self._unbanded[k] = (f, self._unbanded[k][1], outs[j])
+            elif back <= len(self._hb_out):
+                if b_out is None:
+                    b_out = _band_energies(outs)
+                self._hb_out[-back] = float(b_out[j, -1])
 
     def _fill_bands(self) -> None:
         """The bands of the idle frames the per-frame lists hold (``_unbanded``), computed now that the far
@@ -670,8 +731,10 @@ class EchoCanceller:
 
     @property
     def ms_per_frame(self) -> Optional[float]:
-        """Mean compute time per 10 ms frame, ms (measured here), or None before any frame."""
-        return self.busy_s * 1000.0 / self.frames if self.frames else None
+        """Mean compute time per 10 ms frame that went through the library, ms (measured here; the
+        re-warms after a bypass included, the bypassed frames not), or None before any such frame."""
+        done = self.frames - self.bypassed_frames
+        return self.busy_s * 1000.0 / done if done > 0 else None
 
 
 class GateRow(NamedTuple):

@@ -220,6 +220,7 @@ class DeviceAudio(AudioPort):
         self._sup: Optional[threading.Thread] = None
         self._turn_mark = dict(self.xruns)
         self._paused = False  # the output is paused at the worker (kept across a worker restart)
+        self._attentive = False  # the VAD hears speech: the worker batches fewer input blocks (kept likewise)
         self._drop_fifo = False
         self.far_end: Optional[FarEnd] = None  # the open worker's far-end pairing (its counters)
 
@@ -271,6 +272,23 @@ class DeviceAudio(AudioPort):
         """The playback buffer has samples: an idle worker (which asks for nothing, worker.py) asks for them at
         its next output callback. Never blocks; a no-op while no worker runs."""
         self._send(p.Kind.WAKE.value)
+
+    def observe(self, record: dict) -> None:
+        """A conversation record (the session subscribes the port): from a ``vad_onset`` to the utterance's
+        ``vad_end`` or ``vad_reject`` the worker is told (``ATTEND``) that the VAD hears speech, so that while
+        its output is idle it sends the microphone ``LISTEN_INPUT_BLOCKS`` (3) blocks to a message instead of
+        ``QUIET_INPUT_BLOCKS`` (6): the user's end of turn is heard as soon as before, and only the onset
+        waits for a longer message (worker.py). Never blocks."""
+        event = record.get("event")
+        if event == "vad_onset":
+            on = True
+        elif event in ("vad_end", "vad_reject"):
+            on = False
+        else:
+            return
+        if on != self._attentive:
+            self._attentive = on
+            self._send(p.pack_attend(on))
 
     def configure(self, *, fade_ms: Optional[float] = None, audio=None) -> None:
         """``fade_ms``: the worker's fade from the next pause, resume or flush on, ms; kept for the
@@ -411,6 +429,8 @@ class DeviceAudio(AudioPort):
             self._link = link
         if self._paused:
             self._send(p.Kind.PAUSE.value)  # a new worker starts playing: keep a pause that is on
+        if self._attentive:
+            self._send(p.pack_attend(True))  # ... and an utterance the VAD is hearing
         self.state = "open"
         self.opened += 1
         self.last_error = None

@@ -8,7 +8,7 @@ unsigned 32-bit.
 Worker → service: ``INPUT`` (flags, microphone samples, the samples the output played since the previous
 ``INPUT``), ``REQUEST`` (samples wanted, flags, generation),
 ``SILENT``, ``READY`` / ``ERROR`` / ``LOST`` (JSON). Service → worker: ``DATA`` (generation, samples),
-``PAUSE``, ``RESUME``, ``FLUSH``, ``CONFIGURE`` (JSON), ``QUIT``.
+``PAUSE``, ``RESUME``, ``FLUSH``, ``WAKE``, ``ATTEND`` (on/off), ``CONFIGURE`` (JSON), ``QUIT``.
 
 The generation: every flush starts a new one in the worker, which drops ``DATA`` answering a request made
 before it, so samples of an interrupted reply that were on their way can never play after the flush.
@@ -37,6 +37,8 @@ class Kind(bytes, Enum):
     RESUME = b"U"  # service → worker: fade back in where the pause stopped
     FLUSH = b"F"  # service → worker: fade out and drop the ring
     WAKE = b"W"  # service → worker: the playback buffer has samples; an idle ring asks for them again
+    ATTEND = b"A"  # service → worker: <on:u32>: the VAD hears speech (1) or no longer does (0): while the output
+    #   is idle, the microphone's blocks then go fewer to a message (worker.InputBatcher)
     CONFIGURE = b"C"  # service → worker: JSON {"fade_ms": float}
     SILENT = b"S"  # worker → service: a fade out reached silence
     READY = b"R"  # worker → service: JSON, the DeviceInfo fields
@@ -111,6 +113,16 @@ def unpack_data(msg: bytes) -> tuple[int, np.ndarray]:
     """(generation, float32 samples: a copy the receiver may keep)."""
     (gen,) = _U32.unpack_from(msg, 1)
     return gen, np.frombuffer(msg[1 + _U32.size:], dtype=np.float32).copy()
+
+
+def pack_attend(on: bool) -> bytes:
+    return Kind.ATTEND.value + _U32.pack(1 if on else 0)
+
+
+def unpack_attend(msg: bytes) -> bool:
+    """Whether the service's VAD hears speech."""
+    (on,) = _U32.unpack_from(msg, 1)
+    return bool(on)
 
 
 def pack_json(kind: Kind, obj: dict) -> bytes:

@@ -15,13 +15,19 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   carries it as played, as always), until the service sends ``WAKE`` (its playback buffer got a segment,
   or handed out digital silence with more queued: :meth:`appliance.audio.port.AudioPort.wake`), or a
   ``RESUME`` or ``FLUSH`` comes; then the next output
-  callback asks for the whole target again. The input callback meanwhile sends every ``IDLE_INPUT_BLOCKS``
-  blocks in one ``INPUT`` (each message wakes a thread in each process). The price: while idle (a user's
-  turn included) the microphone's blocks reach the service up to ``IDLE_INPUT_BLOCKS`` − 1 blocks later
-  (20 ms at the default 10 ms block; at 48 kHz soxr hands the service 30 ms at a time anyway, so one
-  message of 3 blocks is one capture); a reply's first samples are asked for at the first output callback
+  callback asks for the whole target again. The input callback meanwhile sends the microphone's blocks
+  several to one ``INPUT`` (each message wakes a thread in each process, and a thread woken cold costs
+  several times its work done warm; :class:`InputBatcher`): ``QUIET_INPUT_BLOCKS`` while nobody talks,
+  ``LISTEN_INPUT_BLOCKS`` once the service says its VAD hears speech (``ATTEND`` on, from its onset to
+  its end or rejection). The price: while idle the start of a user's turn (its onset) reaches the service
+  up to ``QUIET_INPUT_BLOCKS`` − 1 blocks later (50 ms at the default 10 ms block) and the rest of the turn,
+  its end included, up to ``LISTEN_INPUT_BLOCKS`` − 1 blocks later (20 ms; at 48 kHz soxr hands the service
+  30 ms at a time anyway, so one message of 3 blocks is one capture); the utterance loses nothing (the VAD
+  keeps 200 ms before its onset). While the output is not idle (a reply plays, or is paused: a barge-in)
+  every block is its own message. A reply's first samples are asked for at the first output callback
   after ``WAKE`` (within one block) and, the ring being empty then, play as soon as they arrive (before,
   they queued behind 2–6 blocks of silence). A pause (a barge-in) is never idle.
+- ``ATTEND``: the service's VAD hears speech (on) or no longer does (off): the input's batching above.
 - ``PAUSE``/``RESUME``/``FLUSH``: the ring's fader fades out over ``fade_ms`` of what it holds and keeps
   the rest (pause) or drops it (flush), and fades back in on resume; ``SILENT`` says a fade out reached
   silence. ``CONFIGURE`` changes ``fade_ms`` while running (a config reload).
@@ -50,8 +56,46 @@ from .listing import DeviceNotFound, default_devices, import_sounddevice, match_
 
 RING_MIN_BLOCKS, RING_MAX_BLOCKS = 2, 8
 IDLE_AFTER_S = 0.2  # digital silence received for this long (more than the ring holds): the output is idle
-IDLE_INPUT_BLOCKS = 3  # ... then the ring asks for nothing until WAKE, and the microphone's blocks go this many
-#   to a message
+QUIET_INPUT_BLOCKS = 6  # ... then the ring asks for nothing until WAKE, and the microphone's blocks go this many to
+#   a message while nobody talks (InputBatcher) ...
+LISTEN_INPUT_BLOCKS = 3  # ... and this many while the service's VAD hears speech (ATTEND on)
+
+
+class InputBatcher:
+    """The worker's input side: how many microphone blocks go to one ``INPUT`` message.
+
+    Every block is its own message while the output is not idle (a reply plays or is paused: a barge-in
+    is heard at once); while it is idle, ``QUIET_INPUT_BLOCKS`` blocks go to a message, or
+    ``LISTEN_INPUT_BLOCKS`` while :attr:`attentive` (the service's VAD hears speech: the end of the turn is
+    heard as soon as before). Called from the input callback only; :attr:`attentive` is set by the control
+    loop (a stale read costs one block's batching).
+    """
+
+    def __init__(self):
+        self.attentive = False
+        self._held: list[bytes] = []
+        self._flags = 0
+        self._frames = 0
+
+    def batch(self, idle: bool) -> int:
+        """Blocks to a message now."""
+        if not idle:
+            return 1
+        return LISTEN_INPUT_BLOCKS if self.attentive else QUIET_INPUT_BLOCKS
+
+    def add(self, data: bytes, frames: int, flags: int, idle: bool) -> Optional[tuple[bytes, int, int]]:
+        """One input block (``data``: its interleaved float32 bytes, ``frames`` frames, PortAudio's ``flags``)
+        and whether the output is idle now. :returns: None (held), or the message's (bytes, the blocks' flags
+        or-ed, frames) once :meth:`batch` blocks are held."""
+        self._held.append(data)
+        self._frames += frames
+        self._flags |= flags
+        if len(self._held) < self.batch(idle):
+            return None
+        out = (b"".join(self._held), self._flags, self._frames)
+        self._held.clear()
+        self._flags = self._frames = 0
+        return out
 
 
 class OutputRing:
@@ -182,9 +226,7 @@ def run(fd: int, params: dict) -> int:
     ring = OutputRing(out_block, fade_samples(out_rate, float(params.get("fade_ms", 8.0))),
                       idle_after=int(float(params.get("idle_s", IDLE_AFTER_S)) * out_rate))
     last_cb = [0.0]
-    held: list[bytes] = []  # input blocks not sent yet (idle: IDLE_INPUT_BLOCKS to a message)
-    held_flags = [0]
-    held_frames = [0]
+    batcher = InputBatcher()
 
     # What the output callbacks played (after the fader: fades, pauses and late blocks included), handed to
     # the service with the next input block: the canceller's far end, sample-exact and on the device's own
@@ -194,14 +236,11 @@ def run(fd: int, params: dict) -> int:
 
     def on_input(indata, frames, time_info, status):
         last_cb[0] = time.monotonic()
-        held.append(indata.tobytes())
-        held_frames[0] += frames
-        held_flags[0] |= getattr(status, "_flags", 0)
-        if len(held) < IDLE_INPUT_BLOCKS and ring.idle:  # read without the lock: a stale answer costs one block
+        # ring.idle is read without the lock: a stale answer costs one block
+        msg = batcher.add(indata.tobytes(), frames, getattr(status, "_flags", 0), ring.idle)
+        if msg is None:
             return
-        data, flags, n = b"".join(held), held_flags[0], held_frames[0]
-        held.clear()
-        held_flags[0] = held_frames[0] = 0
+        data, flags, n = msg
         chunks = []
         while played:
             chunks.append(played.popleft())
@@ -283,6 +322,8 @@ def run(fd: int, params: dict) -> int:
             if kind in (p.Kind.PAUSE, p.Kind.RESUME, p.Kind.FLUSH, p.Kind.WAKE):
                 with ring.lock:
                     ring.control(kind)
+            elif kind is p.Kind.ATTEND:
+                batcher.attentive = p.unpack_attend(msg)
             elif kind is p.Kind.DATA:
                 gen, data = p.unpack_data(msg)
                 with ring.lock:
