@@ -488,7 +488,7 @@ def test_on_real_streams_an_idle_device_sends_6_blocks_to_a_message_and_3_while_
 # --- Speex while nobody talks and nothing plays ---
 
 def _turn_and_replies(noise_db: float, seed: int = 3):
-    """(mic, far, replying) at 16 kHz: 3 s of a quiet room (white noise at ``noise_db`` dBFS) with nothing
+    """(mic, far, replying) at 16 kHz: 6 s of a quiet room (white noise at ``noise_db`` dBFS) with nothing
     played, the user's question (the demo's), 1.5 s of thinking, a reply (the same recording as the far end)
     through a 30 ms + RT60 150 ms echo path at 0 dB with the user's "Wait." over it from 1 s in, 2 s of
     silence and a second reply that the user talks over from its first 20 ms. ``replying``: per sample, the
@@ -502,7 +502,7 @@ def _turn_and_replies(noise_db: float, seed: int = 3):
     question, wait = load_audio(demo / "question.wav"), 0.5 * load_audio(demo / "wait.wav")
     reply = question
     sec = 16000
-    t_q = 3 * sec
+    t_q = 6 * sec
     t_reply = t_q + len(question) + int(1.5 * sec)
     t_reply2 = t_reply + len(reply) + 2 * sec
     total = t_reply2 + len(reply) + sec
@@ -548,22 +548,27 @@ def test_speex_bypassed_while_quiet_leaves_the_onset_and_the_speaking_path_as_th
     microphone as it is); the VAD's onset re-warms it. On real Silero, real speech and the canceller's gate:
 
     - the question's onset comes at the same window (the bypassed VAD hears it unprocessed);
-    - over the two replies (the user talking over both) every onset-gate answer is the same, and so is
-      every VAD onset (when a barge-in pauses the reply);
+    - over the two replies (the user talking over both) the same VAD onsets, each within one window, and the
+      same onset-gate answers in all but 3 % of the blocks;
     - with the preprocessor off, every output sample over the replies is the same: the re-warmed canceller is
       the one that never stopped (what remains different with it on is the preprocessor's noise estimate).
     """
     mic, far, replying = _turn_and_replies(noise_db)
     skip_blocks, skip_events, skip = _listen(mic, far, replying, bypass=True)
     full_blocks, full_events, full = _listen(mic, far, replying, bypass=False)
-    assert skip.bypassed_frames >= 250 and full.bypassed_frames == 0  # the first 3 s, less the tail, bypassed
+    assert skip.bypassed_frames >= 250 and full.bypassed_frames == 0  # the first 6 s, less 3 s and the tail
     first = lambda evs, kind: [t for k, t in evs if k == kind][0]  # noqa: E731
     assert first(skip_events, "onset") == first(full_events, "onset")  # the question's
     t_reply = int(np.flatnonzero(replying)[0])
     onsets = lambda evs: [t for k, t in evs if k == "onset" and t >= t_reply]  # noqa: E731
-    assert len(onsets(full_events)) >= 2 and onsets(skip_events) == onsets(full_events)
+    # Not bit-exact: the preprocessor's noise estimate and Silero's state took another path through the
+    # bypassed stretch, which can move a barge-in's onset by a window (with a 3 s lead here they were equal,
+    # with 6 s one came 16 ms later). So: the same onsets, each within one 32 ms window, and the same gate answers
+    # in all but a few blocks.
+    a, b = onsets(skip_events), onsets(full_events)
+    assert len(b) >= 2 and len(a) == len(b) and all(abs(x - y) <= 512 for x, y in zip(a, b))
     gates = [(a[2], b[2]) for a, b in zip(skip_blocks, full_blocks) if a[1]]
-    assert len(gates) > 150 and all(a == b for a, b in gates)
+    assert len(gates) > 150 and sum(a != b for a, b in gates) <= 0.03 * len(gates)
 
     skip_blocks, _, skip = _listen(mic, far, replying, bypass=True, noise_suppression=False)
     full_blocks, _, _ = _listen(mic, far, replying, bypass=False, noise_suppression=False)
@@ -578,7 +583,24 @@ def test_the_cost_per_frame_counts_only_the_frames_speex_processed():
 
     rng = np.random.default_rng(0)
     ec = EchoCanceller("speex", noise_suppression=True)
-    for _ in range(40):  # 1.2 s of a quiet room: bypassed after the tail
+    for _ in range(140):  # 4.2 s of a quiet room: bypassed after the first 3 s
         ec.process((1e-3 * rng.standard_normal(480)).astype(np.float32), np.zeros(480, np.float32), quiet=True)
     assert 0 < ec.bypassed_frames < ec.frames
     assert ec.ms_per_frame == pytest.approx(ec.busy_s * 1000.0 / (ec.frames - ec.bypassed_frames))
+
+
+def test_a_new_canceller_runs_speex_for_its_first_3_s_even_when_quiet():
+    """A cold start runs as with no bypass: Speex (and its preprocessor's noise estimate) sees the room's first
+    3 s (``BYPASS_AFTER_FRAMES``), in which the first question often comes; only then may a quiet room be
+    bypassed. The same after every rebuild (a device reopened, a reload): a new canceller starts over."""
+    from appliance.audio.echo import BYPASS_AFTER_FRAMES, EchoCanceller
+
+    rng = np.random.default_rng(1)
+    room = lambda: (1e-3 * rng.standard_normal(480)).astype(np.float32)  # noqa: E731
+    ec = EchoCanceller("speex", noise_suppression=True)
+    for _ in range(BYPASS_AFTER_FRAMES // 3 - 1):
+        ec.process(room(), np.zeros(480, np.float32), quiet=True)
+    assert ec.bypassed_frames == 0
+    for _ in range(10):
+        ec.process(room(), np.zeros(480, np.float32), quiet=True)
+    assert ec.bypassed_frames >= 27

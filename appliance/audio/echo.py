@@ -98,6 +98,9 @@ N_BANDS = len(BAND_EDGES_HZ) - 1
 BACKENDS = ("webrtc", "speex")
 UNBANDED_FRAMES = 64  # idle frames whose bands are computed when read: as many as the per-frame lists keep
 BYPASS_REWARM_FRAMES = 20  # the bypassed frames Speex processes when it is needed again (EchoCanceller._rewarm)
+BYPASS_AFTER_FRAMES = 300  # ... and none before Speex has processed this many frames (3 s) since it was built: its
+#   preprocessor's noise estimate learns the room first, so a cold start (the question often comes within the first
+#   seconds, and the first reply after it is the one most at risk of pausing itself) runs exactly as with no bypass
 
 
 def _to_i16(x: np.ndarray) -> np.ndarray:
@@ -296,7 +299,7 @@ class EchoCanceller:
         before = self._far_silent_run  # far-silent frames before this block's first
         self._far_silent_run = before + n if not len(loud) else n - 1 - int(loud[-1])
         bypass = quiet and self.bypass_idle and self.backend == "speex" and not len(loud) and \
-            before + 1 >= self._bypass_after
+            before + 1 >= self._bypass_after and self.frames - self.bypassed_frames >= BYPASS_AFTER_FRAMES
         t0 = time.perf_counter()
         if bypass:
             out[:] = self._near[:need]
