@@ -118,7 +118,7 @@ def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(
         handovers = 0
         calls = 0
 
-        def process(self, mic, far):
+        def process(self, mic, far, quiet=False):
             self.calls += 1
             self.handovers = int(self.calls >= 3)
             return mic
