@@ -209,7 +209,7 @@ def _hiss_over_the_reply(far_end):
     at = 4 * 16000
     mixed = mic.copy()
     mixed[at : at + len(hiss)] += hiss.astype(np.float32)
-    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0, stand_in=False)
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
     for i in range(0, at, FRAME):
         ec.process(mixed[i : i + FRAME], far_end[i : i + FRAME])
     return ec, mixed, at, hiss
@@ -348,31 +348,6 @@ def test_a_cold_canceller_never_lets_the_first_reply_through(far_end, gain_db, i
     assert ec.handovers == 1 and ec.warm  # ... and Speex took over once it had converged, for good
 
 
-def test_speex_takes_over_only_once_its_convergence_has_held(parts):
-    """The hand-over from the stand-in used to come the moment every band's floor first reached WARM_DB:
-    Speex's residual then still sounded like speech to Silero (0.5-0.9 for many windows, which the gate
-    refused at -30 to -45 dB) and, where the reply paused or ended 0.9-1.9 s later, the ratio of the quiet
-    window rose to -10..0 dB and the gate let Silero's lingering score through (measured here, offline: 8 of
-    the 13 false onsets in 390 cold first replies, 13 Piper replies at -20..+10 dB with and without the
-    IR; the bench's first-reply pause at +6 dB came just after the hand-over too). This reply, at +6 dB,
-    opened the gate in 2 windows 1 s after the hand-over; now the stand-in serves until convergence has held
-    for WARM_HOLD_FRAMES (1.5 s of far end)."""
-    far = fixed_speech(parts.tts, "Rainbows form when sunlight enters raindrops, bends, reflects off the back "
-                                  "of the drop, and bends again as it leaves.")
-    opened, ec = _first_reply(far, 6.0)
-    assert opened == 0
-    assert ec.stand_in_frames > 400  # the stand-in served the whole 7 s reply (speex converged about 3.5 s in)
-
-
-def test_with_no_echo_path_speex_takes_over_without_the_hold(far_end):
-    """No echo path (headphones, the demo's room): there is no residual to mistake for speech, so the hold
-    does not apply, and AEC3 with no echo to lock on held a user back: with the hold, the demo's barge-in
-    (``demo/barge-in.yaml``, --fast) was detected after 730 ms instead of 89 ms (measured here)."""
-    opened, ec = _first_reply(far_end, None)
-    assert opened == 0
-    assert ec.handovers == 1 and ec.stand_in_frames <= 120  # 88 frames (0.9 s) here; 262 with the hold
-
-
 def test_the_stand_in_gate_is_strict_before_its_echo_floor_is_known(parts):
     """The AEC3 stand-in removes only 7-14 dB of the first reply's first words, and before its own echo floor
     exists (0.8 s of far end) its gate used gate_db (-10 dB) with the soft pass: this reply's first words
@@ -402,9 +377,9 @@ def test_a_band_with_no_echo_is_not_cold():
     nothing to converge on, so it does not hold the gate shut (the user could never barge in otherwise)."""
     ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
     rng = np.random.default_rng(5)
-    far = (0.1 * rng.standard_normal(48000)).astype(np.float32)
-    mic = (10 ** (-70 / 20) * rng.standard_normal(48000)).astype(np.float32)  # a quiet room, no echo
-    for i in range(0, 48000, FRAME):
+    far = (0.1 * rng.standard_normal(16000)).astype(np.float32)
+    mic = (10 ** (-70 / 20) * rng.standard_normal(16000)).astype(np.float32)  # a quiet room, no echo
+    for i in range(0, 16000, FRAME):
         ec.process(mic[i : i + FRAME], far[i : i + FRAME])
     assert all(erl < -40.0 for erl in ec.band_return_loss_db())
     assert ec.converged() and ec.warm and not ec.is_cold()

@@ -32,8 +32,7 @@ to tell a band with no echo from an unconverged one). A window whose energy sits
 converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first convergence, never passes the
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
-suppressor keeps our echo out from its first frame, and holds back a user's onset. Once convergence has
-held for ``WARM_HOLD_FRAMES`` (1.5 s of far end; at once where no band has an echo path), Speex takes over
+suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
 for good: a new echo path (a device reopened, a reload) gets a new canceller. A chime at start-up was
 measured as the other cure and rejected: Speex converged on the chime's bands reads as converged while speech bands are not,
 and a noise burst left the filter worse for speech than no sound at all.
@@ -89,8 +88,7 @@ COLD_DB = GATE_MAX_DB - GATE_MARGIN_DB  # a window whose expected residual echo 
 #   the broadband threshold (floor + margin) would exceed its cap, so the ratio cannot tell the user from the echo
 NO_ECHO_DB = -40.0  # a band whose microphone energy stays this far under the far end's has no echo to cancel
 #   (headphones, a speaker in another room): echo there would sit 60 dB under a -20 dBFS reply, under Silero's notice
-WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in ...
-WARM_HOLD_FRAMES = 150  # ... once that has held over this many frames in which the far end played (1.5 s)
+WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in
 _HANN = np.hanning(FRAME).astype(np.float32)
 _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 _BAND_OF_BIN = np.digitize(_FREQS, BAND_EDGES_HZ[1:-1])  # bin -> band index 0..3
@@ -208,7 +206,6 @@ class EchoCanceller:
         self._stand_in_ready = bool(stand_in) and backend == "speex"  # wanted (False once it proved unavailable)
         self.stand_in_frames = 0  # frames the stand-in's output went to the VAD
         self.handovers = 0  # stand-in -> Speex hand-overs
-        self._converged_frames = 0  # frames, in calls in which a band played, since converged() last was False
         self.warm = backend == "webrtc"  # Speex starts cold (see _update_mode)
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
@@ -503,28 +500,13 @@ class EchoCanceller:
         converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
         the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
         measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
-        floor took a frame in this call (convergence is asked only then: nothing else moves it).
-
-        Why the hold (``WARM_HOLD_FRAMES``): at the moment the floors first showed convergence, Speex's
-        residual still sounded like speech to Silero (0.5-0.9 over many windows, which the gate refused at
-        -30 to -45 dB), and where the reply paused or ended 0.9-1.9 s later the quiet window's ratio rose to
-        -10..0 dB and the gate let Silero's lingering score through. Measured here, offline (the bench's
-        echo path, 13 Piper replies x 3 start offsets, cold first replies at 0, +6 and +10 dB with and
-        without the IR): 6-8 such false onsets in 234 replies without the hold, none with it (the 6 left came
-        from AEC3 in its own first 0.8 s); barge-in latency on the bench's 99 cases unchanged."""
+        floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if grew and not self.converged():
-            self._converged_frames = 0
-        elif grew:  # the frames of this call count toward WARM_HOLD_FRAMES while convergence holds
-            self._converged_frames += n
-            # (no hold where no band has an echo path: no residual to mistake for speech, and AEC3 with no
-            # echo to lock on held a user back: the demo's barge-in was detected 89 -> 730 ms with the hold)
-            echo = any(erl is None or erl > NO_ECHO_DB for erl in self.band_return_loss_db())
-            if self._converged_frames >= (WARM_HOLD_FRAMES if echo else 0):
-                self.warm, self._stand_in = True, None
-                self.handovers += 1
-                return
+        if grew and self.converged():
+            self.warm, self._stand_in = True, None
+            self.handovers += 1
+            return
         if self._stand_in is None and self._stand_in_ready:
             try:
                 self._stand_in = EchoCanceller("webrtc", noise_suppression=False, high_pass_filter=True,
