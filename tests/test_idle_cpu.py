@@ -181,8 +181,7 @@ def test_idle_frames_bands_are_computed_when_the_far_end_returns_and_nothing_cha
 
     mic, far = _conversation_at_the_microphone()
     skip = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
-    full = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
-    full.skip_idle_bands = False
+    full = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0, skip_idle_bands=False)
     skipped = gate_checks = 0
     for k, i in enumerate(range(0, len(mic), 480)):  # 30 ms blocks, as the 48 kHz resampler delivers them
         outs = [ec.process(mic[i:i + 480], far[i:i + 480]) for ec in (skip, full)]
@@ -527,8 +526,7 @@ def _listen(mic, far, replying, bypass: bool, noise_suppression: bool = True):
     from appliance.audio.echo import EchoCanceller
     from appliance.vad import SileroVad, VadSegmenter
 
-    ec = EchoCanceller("speex", noise_suppression=noise_suppression, gate_db=-10.0)
-    ec.bypass_idle = bypass
+    ec = EchoCanceller("speex", noise_suppression=noise_suppression, gate_db=-10.0, bypass_idle=bypass)
     seg = VadSegmenter(SileroVad())
     seg.use_gate(ec.near_end_present, ec.near_end_clear)
     blocks, events = [], []

@@ -182,6 +182,10 @@ class EchoCanceller:
         3 × 640 bytes per 10 ms, so only for benchmarks and tests (:meth:`clear_records`).
     :param stand_in: with Speex, let WebRTC AEC3 serve the VAD and the onset gate until Speex has shown
         convergence (:attr:`stand_in_active`); False: the onset gate refuses every window until then.
+    :param skip_idle_bands: while the far end is silent, compute the per-band figures only when read (False:
+        every frame; the same answers, for comparison).
+    :param bypass_idle: with Speex, pass quiet blocks through unprocessed (:meth:`process`'s ``quiet``; False:
+        never; for comparison).
     :raises UserError: an unknown backend or its package is missing.
 
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
@@ -191,7 +195,8 @@ class EchoCanceller:
     """
 
     def __init__(self, backend: str = "webrtc", noise_suppression: bool = False, high_pass_filter: bool = True,
-                 tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0, stand_in: bool = True):
+                 tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0, stand_in: bool = True,
+                 skip_idle_bands: bool = True, bypass_idle: bool = True):
         if backend == "webrtc":
             self._impl = _WebRtcAec3(noise_suppression, high_pass_filter)
         elif backend == "speex":
@@ -246,12 +251,12 @@ class EchoCanceller:
         self._lt_new = 0  # far-end frames the floors took since the gate last passed (see _keep_onset_out)
         # Idle (the far end digital silence in every frame kept): the microphone's and the output's bands are
         # computed only when the far end returns or a reader asks (see process, _fill_bands). False: every frame.
-        self.skip_idle_bands = True
+        self.skip_idle_bands = skip_idle_bands
         self._unbanded: list[tuple[int, np.ndarray, np.ndarray]] = []  # (frame number, near, out) [FRAME] each
         # Quiet (process(quiet=True): nobody heard, nothing played): Speex is bypassed once the far end has
         # been digital silence for its tail and a frame more (its far-end history all zeros), and re-warmed
         # on the last bypassed frames when it is needed again (_rewarm). False: never.
-        self.bypass_idle = True
+        self.bypass_idle = bypass_idle
         self._bypass_after = self._tail // FRAME + 2  # far-silent frames before a block may be bypassed
         self._far_silent_run = 0  # consecutive far-silent frames processed so far
         self._bypassed: list[tuple[int, np.ndarray]] = []  # (frame number, near) of the last bypassed frames
