@@ -367,3 +367,15 @@ def test_the_next_reply_starts_where_it_first_plays_after_the_flush():
     assert bench.next_reply_start(speaking(1.0) + flushed + speaking(3.4) + speaking(3.9), 2.0) == (True, "", 3.4)
     assert bench.next_reply_start(speaking(1.0), 2.0) == (False, "the stop word did not flush the reply", 0.0)
     assert bench.next_reply_start(speaking(1.0) + flushed, 2.0)[:2] == (False, "no reply to the stop word played")
+
+
+def test_a_reply_counts_as_flushed_on_its_own_echo_only_when_nobody_talked_over_it():
+    """``later_replies.replies_flushed`` counted the stop word's own flush of the reply before the next reply
+    (nine in every full run); only a flush of a reply nobody talked over counts (timeline seconds)."""
+    speaking = lambda t: [{"event": "state", "t": t, "state": "speaking"}]  # noqa: E731
+    users_flush = speaking(1.0) + [{"event": "flushed", "t": 2.3}] + speaking(3.4)
+    assert not bench.self_flushed("next_reply", users_flush, 2.0)
+    assert bench.self_flushed("next_reply", users_flush + [{"event": "flushed", "t": 5.0}], 2.0)
+    assert bench.self_flushed("echo_only", speaking(1.0) + [{"event": "flushed", "t": 2.3}], 0.0)
+    assert not bench.self_flushed("echo_only", speaking(1.0), 0.0)
+    assert not bench.self_flushed("barge_in", users_flush, 2.0)  # the user's flush is the point there

@@ -318,6 +318,19 @@ def next_reply_start(recs: list[dict], after: float) -> tuple[bool, str, float]:
     return True, "", spoke[0]
 
 
+def self_flushed(kind: str, recs: list[dict], after: float) -> bool:
+    """Whether a reply nobody talked over was flushed, from the timeline ``recs`` (seconds): any flush after
+    ``after`` (s) for ``echo_only`` and ``first_reply``; for ``next_reply`` only a flush of the reply to the stop
+    word (the stop word's own flush of the reply before it is what that scenario does); False for the kinds
+    with a user talking over the reply."""
+    if kind in ("echo_only", "first_reply"):
+        return any(r["event"] == "flushed" and r["t"] >= after for r in recs)
+    if kind == "next_reply":
+        valid, _, start = next_reply_start(recs, after)
+        return valid and any(r["event"] == "flushed" and r["t"] >= start for r in recs)
+    return False
+
+
 def latency_split(recs: list[dict], onset_t: float, silent_ms: Optional[float]) -> Optional[dict]:
     """Where a barge-in's latency went, from the timeline ``recs`` (seconds) and the user's onset
     ``onset_t`` (s): ``vad_ms``, the onset to the end of the VAD window that fired (the algorithm: windows
@@ -348,6 +361,7 @@ class Outcome:
     valid: bool
     interrupted: int = 0
     flushed: bool = False
+    self_flushed: bool = False  # a reply nobody talked over was flushed (echo_only, first_reply, next_reply's next)
     resumed: bool = False
     barge: Optional[dict] = None
     resume_gap_ms: Optional[float] = None
@@ -446,6 +460,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= next_start) \
             if out.valid else 0
     out.flushed = any(r["event"] == "flushed" and r["t"] >= after for r in recs)
+    out.self_flushed = self_flushed(case.kind, recs, after) if out.valid else False
     resumed = [r for r in recs if r["event"] == "resumed" and r["t"] >= after]
     out.resumed = bool(resumed) and not out.flushed
     if speech and resumed:
@@ -534,7 +549,7 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
 
     def pauses(os_: list[Outcome]) -> dict:
         return {"count": sum(o.interrupted for o in os_), "replies_paused": sum(1 for o in os_ if o.interrupted),
-                "replies_flushed": sum(1 for o in os_ if o.flushed), "n": len(os_)}
+                "replies_flushed": sum(1 for o in os_ if o.self_flushed), "n": len(os_)}
 
     bc, ss, noise = by("backchannel"), by("short_stop"), by("noise")
     num = sum(o.erle_num for o in outcomes)
