@@ -156,8 +156,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     path = Path(args.file or args.config or default)
     from .config import check
 
-    check(path)  # the schema, then the sizes and the model files' headers
+    cfg = check(path)  # the schema, then the sizes and the model files' headers
     print(f"{path}: valid")
+    # The config is valid, but a model file it names may not be on this machine (a config copied from the Pi,
+    # or a Pi whose image has not fetched its models): the service would not start, so say so here too.
+    missing = [f"{key} {p}" for key, p in (("model.gguf", cfg.model.gguf), ("model.mmproj", cfg.model.mmproj))
+               if p and not Path(p).exists()]
+    if missing:
+        print(f"note: not found on this machine: {', '.join(missing)}; `appliance doctor --config {path}` "
+              "checks the model files, the voice and the sound devices")
     return 0
 
 

@@ -107,6 +107,14 @@ def test_valid_config_exit_0(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text("gpio:\n  led_pin: 17\n  button_pin: 27\nvad:\n  min_silence_ms: 600\n")
     r = check_config(cfg)
+    assert (r.returncode, r.stderr) == (0, "")
+    # the default model paths are the Pi's: valid, with a note that they are not here and who checks them
+    assert r.stdout.startswith(f"{cfg}: valid\nnote: not found on this machine: model.gguf /var/lib/appliance/models/")
+    assert f"`appliance doctor --config {cfg}`" in r.stdout
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    cfg.write_text(f"model:\n  gguf: {gguf}\n  mmproj: null\n")
+    r = check_config(cfg)
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{cfg}: valid\n", "")
 
 
