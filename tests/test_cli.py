@@ -51,8 +51,28 @@ def test_scenario_with_missing_audio(tmp_path):
     sc.write_text("events:\n  - at: 0.5\n    say: q.wav\n  - at: 3.0\n    say: nowhere.wav\n    text: hi\n")
     (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
     r = appliance("replay", str(sc), "--out", str(tmp_path / "o"), "--embedded")
-    # the scenario, the line and number of the event, the file
-    one_line_error(r, f"{sc}: line 4: event 2: ", "nowhere.wav", "not found")
+    # the scenario, the line of the `say:` at fault and the event's number, the file
+    one_line_error(r, f"{sc}: line 5: event 2: ", "nowhere.wav", "not found")
+
+
+@pytest.mark.parametrize("text, where", [
+    ("events:\n  - at: 0.5\n    say: q.wav\n    txet: hi\n", "line 4: event 1: unknown key(s) ['txet']"),
+    ("events:\n  - at: 0.5\n    say: q.wav\n    gain_db: loud\n", "line 4: event 1: `gain_db`"),
+    ("events:\n  - at: 0.5\n    say: q.wav\n  - at: 1\n    say: q.wav\n    text: 5\n", "line 6: event 2: `text`"),
+    ("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  echo_gain_db: 0\n  rt6: 3\n", "line 6: room: unknown key(s)"),
+    ("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  rt60_ms: lots\n", "line 5: room.rt60_ms"),
+])
+def test_a_scenario_error_names_the_line_of_the_key_at_fault(tmp_path, text, where):
+    """Not the line where the event starts: the fresh user looked for a bad `gain_db` on the `- at:` line."""
+    from appliance.audio.room import Scenario
+    from appliance.errors import UserError
+
+    sc = tmp_path / "s.yaml"
+    sc.write_text(text)
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
+    with pytest.raises(UserError) as e:
+        Scenario.load(sc)
+    assert str(e.value).startswith(f"{sc}: {where}"), str(e.value)
 
 
 def test_text_only_model_needs_transcripts(tmp_path):

@@ -157,6 +157,33 @@ def _item_lines(node, key: str) -> list[int]:
     return []
 
 
+def _item_key_lines(node, key: str) -> list[dict[str, int]]:
+    """For each item of the top-level sequence ``key`` in the composed YAML ``node``: its keys' 1-based lines
+    ({} for an item that is not a mapping), so that an error names the line of the key at fault."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    for key_node, value_node in node.value:
+        if key_node.value == key and isinstance(value_node, yaml.SequenceNode):
+            return [{k.value: k.start_mark.line + 1 for k, _ in item.value} if isinstance(item, yaml.MappingNode)
+                    else {} for item in value_node.value]
+    return []
+
+
+def _map_key_lines(node, key: str) -> dict[str, int]:
+    """The 1-based lines of the keys of the top-level mapping ``key`` in the composed YAML ``node`` ({} when
+    there is none)."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    for key_node, value_node in node.value:
+        if key_node.value == key and isinstance(value_node, yaml.MappingNode):
+            return {k.value: k.start_mark.line + 1 for k, _ in value_node.value}
+    return {}
+
+
 @dataclass
 class Scenario:
     events: list[ScriptedUtterance]
@@ -203,35 +230,44 @@ class Scenario:
         base = path.parent
         events = []
         lines = _item_lines(node, "events")
+        key_lines = _item_key_lines(node, "events")
         for i, ev in enumerate(data["events"], 1):
             where = f"{path}: line {lines[i - 1]}: event {i}" if i <= len(lines) else f"{path}: event {i}"
+            keys = key_lines[i - 1] if i <= len(key_lines) else {}
+
+            def at(*names: str, i: int = i, keys: dict = keys, where: str = where) -> str:
+                """The error's place: the line of the first of ``names`` the event has, else the event's."""
+                line = next((keys[k] for k in names if k in keys), None)
+                return f"{path}: line {line}: event {i}" if line else where
+
             if not isinstance(ev, dict):
                 raise UserError(f"{where}: must be a mapping with `say:` and `at:` or `after:`")
             extra = set(ev) - set(EVENT_KEYS)
             if extra:
-                raise UserError(f"{where}: unknown key(s) {sorted(extra)}{_did_you_mean(extra, EVENT_KEYS)}; "
-                                f"allowed: {', '.join(EVENT_KEYS)}")
+                raise UserError(f"{at(*sorted(extra, key=lambda k: keys.get(k, 0)))}: unknown key(s) {sorted(extra)}"
+                                f"{_did_you_mean(extra, EVENT_KEYS)}; allowed: {', '.join(EVENT_KEYS)}")
             speech = ev.get("speech", True)
             if not isinstance(speech, bool):
-                raise UserError(f"{where}: `speech` must be true or false (false: a noise, with no `text:`)")
+                raise UserError(f"{at('speech')}: `speech` must be true or false (false: a noise, with no `text:`)")
             if not speech and ev.get("text"):
-                raise UserError(f"{where}: `speech: false` (a noise) has no transcript; remove `text:`")
+                raise UserError(f"{at('text')}: `speech: false` (a noise) has no transcript; remove `text:`")
             if "say" not in ev or not isinstance(ev["say"], str):
-                raise UserError(f"{where}: needs `say: FILE.wav` (a path relative to the scenario file)")
+                raise UserError(f"{at('say')}: needs `say: FILE.wav` (a path relative to the scenario file)")
             if ("at" in ev) == ("after" in ev):
-                raise UserError(f"{where}: give exactly one of `at: SECONDS` or `after: speaking`")
+                raise UserError(f"{at('after', 'at')}: give exactly one of `at: SECONDS` or `after: speaking`")
             if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
-                raise UserError(f"{where}: `after:` must be speaking, thinking or listening, not {str(ev['after'])[:40]!r}")
+                raise UserError(f"{at('after')}: `after:` must be speaking, thinking or listening, "
+                                f"not {str(ev['after'])[:40]!r}")
             for key in ("at", "delay", "gain_db"):
                 if key in ev:
-                    ev[key] = _number(ev[key], f"{where}: `{key}`", *EVENT_RANGES[key])
+                    ev[key] = _number(ev[key], f"{at(key)}: `{key}`", *EVENT_RANGES[key])
             text = ev.get("text")
             if text is not None and not isinstance(text, str):
-                raise UserError(f"{where}: `text` must be a string (the transcript)")
+                raise UserError(f"{at('text')}: `text` must be a string (the transcript)")
             try:
                 audio = load_audio(base / ev["say"])
             except UserError as exc:
-                raise UserError(f"{where}: {exc}") from None
+                raise UserError(f"{at('say')}: {exc}") from None
             events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
                                             delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0)),
                                             speech=speech))
@@ -240,14 +276,17 @@ class Scenario:
         if not isinstance(r, dict):
             raise UserError(f"{path}: `room` must be a mapping (echo_gain_db, echo_delay_ms, noise, noise_gain_db)")
         allowed = ["echo_gain_db", "echo_delay_ms", "rt60_ms", "impulse_response", "noise", "noise_gain_db"]
+        room_lines = _map_key_lines(node, "room")
+        line_of = lambda k: f"line {room_lines[k]}: " if k in room_lines else ""  # noqa: E731
         extra = set(r) - set(allowed)
         if extra:
-            raise UserError(f"{path}: room: unknown key(s) {sorted(extra)}{_did_you_mean(extra, allowed)}; "
-                            f"allowed: {', '.join(allowed)}")
+            first = min(extra, key=lambda k: room_lines.get(k, 0))
+            raise UserError(f"{path}: {line_of(first)}room: unknown key(s) {sorted(extra)}"
+                            f"{_did_you_mean(extra, allowed)}; allowed: {', '.join(allowed)}")
         r = dict(r)
         for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db", "rt60_ms"):
             if key in r:
-                r[key] = _number(r[key], f"{path}: room.{key}", *ROOM_RANGES[key])
+                r[key] = _number(r[key], f"{path}: {line_of(key)}room.{key}", *ROOM_RANGES[key])
         if "echo_gain_db" in r:
             room.echo_gain_db = float(r["echo_gain_db"])
         room.echo_delay_ms = float(r.get("echo_delay_ms", 30.0))
