@@ -219,9 +219,9 @@ class Listener:
             return  # a muted microphone reaches neither the VAD nor the model
         near = mic
         # While the reply is paused for the user, a short silence ends the interjection (then decide).
-        self.segmenter.interjecting = self._interjecting()
         replying = self._replying()
-        self.segmenter.both_streams = replying  # the second Silero stream only while a barge-in may come
+        self.segmenter.follow(interjecting=self._interjecting(), both_streams=replying)  # (the second Silero
+        #   stream only while a barge-in may come)
         if self.echo is not None and far is not None:
             # Quiet (listening, no utterance under way): the canceller may pass a block whose far end has
             # long been silent straight through (EchoCanceller.process); the VAD hears it unprocessed.

@@ -225,6 +225,12 @@ class VadSegmenter:
         self._eot_asked: Optional[tuple] = None  # (_last_voice, probability, final?) of this pause's EOT call(s)
         self._second_skipped = False  # the second stream missed windows (both_streams was False)
 
+    def follow(self, interjecting: bool, both_streams: bool) -> None:
+        """The conversation's moment, given by the listener before each block: ``interjecting`` (the reply is
+        paused for the user: ``interjection_silence_ms`` ends the speech) and ``both_streams`` (a barge-in may
+        come: both Silero streams every 16 ms hop; False: one, every 32 ms). Takes effect from the next window."""
+        self.interjecting, self.both_streams = interjecting, both_streams
+
     def configure(self, threshold: float, min_speech_ms: int, min_silence_ms: int, max_utterance_s: float,
                   interjection_silence_ms: int, short_stop_ms: int = 200, end_of_turn_threshold: float = 0.5,
                   max_silence_ms: int = 1000) -> None:

@@ -84,7 +84,7 @@ def _events(audio, both: bool):
     from appliance.vad import SileroVad, VadSegmenter
 
     seg = VadSegmenter(SileroVad())
-    seg.both_streams = both
+    seg.follow(interjecting=False, both_streams=both)
     calls = [0, 0]
     for k, stream in enumerate(seg._streams):
         def counted(w, _p=stream.probability, _k=k):
@@ -118,11 +118,11 @@ def test_the_second_stream_starts_afresh_when_both_are_needed_again():
     second = seg._streams[1]
     real = second.probability
     second.probability = lambda w: seen.append(real(w)) or seen[-1]
-    seg.both_streams = False
+    seg.follow(interjecting=False, both_streams=False)
     cut = 2 * 16000 + 100  # not on a hop boundary
     seg.push(audio[:cut])
     assert not seen
-    seg.both_streams = True
+    seg.follow(interjecting=False, both_streams=True)
     seg.push(audio[cut:])
     # The first hop with both streams back whose window ends on the second stream's phase: hops end at
     # 256 * k; the second stream owns odd k.
@@ -532,7 +532,7 @@ def _listen(mic, far, replying, bypass: bool, noise_suppression: bool = True):
     blocks, events = [], []
     for i in range(0, len(mic), 480):
         rep = bool(replying[i])
-        seg.both_streams = rep
+        seg.follow(interjecting=False, both_streams=rep)
         out = ec.process(mic[i:i + 480], far[i:i + 480], quiet=not rep and not seg.in_speech)
         events += [(e.kind, e.t_sample) for e in seg.push(out)]
         gate = tuple((ec.near_end_present(n), ec.near_end_clear(n)) for n in (512, 1024)) if rep else None

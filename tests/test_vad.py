@@ -67,7 +67,7 @@ def test_interjection_ends_early_then_settles(question_audio):
     """While interjecting, 200 ms of silence ends the utterance; ``settled`` follows only once the user has
     been quiet for min_silence_ms, counted from the end of whatever they said after it."""
     seg = VadSegmenter(SileroVad(), interjection_silence_ms=200, min_silence_ms=500)
-    seg.interjecting = True
+    seg.follow(interjecting=True, both_streams=True)
     loud = np.flatnonzero(np.abs(question_audio) > 0.01)  # the words, without the file's own silences
     words = question_audio[loud[0]:loud[-1] + 1]
     gap = np.zeros(int(0.3 * 16000), np.float32)  # a pause longer than 200 ms, shorter than 500 ms
@@ -78,7 +78,7 @@ def test_interjection_ends_early_then_settles(question_audio):
             events.append(e)
             at.setdefault(e.kind, []).append(i + 160)
             if e.kind == "end":
-                seg.interjecting = False  # the reply was flushed: back to listening
+                seg.follow(interjecting=False, both_streams=True)  # the reply was flushed: back to listening
     assert kinds(events) == ["onset", "start", "end", "onset", "start", "end", "settled"]
     # The first utterance ended 200 ms into a silence, the second (not interjecting) 500 ms into one;
     # settled came once more than 500 ms had passed since the second one's last voiced window.
