@@ -199,6 +199,10 @@ class Listener:
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                return  # still in a block: the tap stays open for it
+        if self.tap is not None:
+            self.tap.close()
 
     def _run(self) -> None:
         while True:

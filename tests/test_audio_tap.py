@@ -30,6 +30,8 @@ def test_the_listener_writes_mic_far_and_the_cancellers_output_sample_for_sample
     assert np.array_equal(got[:, 0], mic[:whole]) and np.array_equal(got[:, 1], far[:whole])
     assert np.any(got[:, 2] != got[:, 0])  # the canceller's output, not the microphone
     assert len(read_tap(tmp_path / "tap.f32", start=100, count=50)) == 50
+    listener.stop()  # (never started: stop closes the tap all the same)
+    assert listener.tap._fh.closed
 
 
 def test_no_tap_without_the_environment_variable(monkeypatch):
