@@ -523,8 +523,7 @@ class DeviceAudio(AudioPort):
                     except OSError as exc:
                         reason = f"the audio worker's socket failed ({exc})"
                         break
-                    if not flags & p.Flag.IDLE:  # (older workers asked for several blocks at once while idle)
-                        self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
+                    self._ring_ms = max(self._ring_ms, 1000.0 * want / info.out_rate)
             elif kind is p.Kind.INPUT:
                 flags, raw, played, frames, dropped = p.unpack_input(msg, info.in_channels)
                 far.played(played)
