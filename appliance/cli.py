@@ -182,7 +182,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     source = args.source
     if source is None:
-        cfg = _config(args)
+        # The service's metrics log, under the config's state_dir; with no config anywhere (run outside a
+        # checkout on a machine that is not the appliance), the defaults' state_dir, else the journal.
+        explicit = args.config or DEFAULT_CONFIG_PATH.exists() or Path("config.yaml").exists()
+        cfg = _config(args) if explicit else Config()
         path = Path(cfg.storage.state_dir) / METRICS_FILE
         source = str(path) if path.exists() else "journal"
     elif Path(source).is_dir():  # a replay's output directory: its metrics log

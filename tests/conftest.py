@@ -54,6 +54,9 @@ def tiny_gemma4_config():
     cfg.model.n_threads = 2
     cfg.model.max_reply_tokens = 12
     cfg.model.history_budget_tokens = 700
+    # No history database: the default state_dir is the Pi's /var/lib/appliance/state, which Parts.load would
+    # create and write on the machine that runs the tests (a fresh user found it changed by `make test`).
+    cfg.storage.persist_history = False
     return cfg
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import DEMO
@@ -143,6 +144,16 @@ def test_wav_input_to_a_text_only_model_asks_for_a_transcript(tmp_path):
     one_line_error(r, "question.wav", "--transcript")
 
 
+def test_stats_with_no_source_and_no_config_anywhere(tmp_path):
+    """Outside a checkout, on a machine that is not the appliance (no /etc/appliance/config.yaml), `stats` told
+    the fresh user that config.yaml was not found; it reads the default place or the journal instead."""
+    if Path("/etc/appliance/config.yaml").exists():
+        pytest.skip("this machine has the appliance's config")
+    r = appliance("stats", cwd=tmp_path)
+    assert r.returncode == 0 and "config" not in r.stderr, (r.stdout, r.stderr)
+    assert "turns from" in r.stdout
+
+
 def test_stats_on_a_file_that_holds_no_turns(tmp_path):
     bad = tmp_path / "notes.txt"
     bad.write_text("hello\nworld\n")
@@ -256,3 +267,35 @@ def test_bench_room_options_need_the_jack_room():
     once (one clock, a linear speaker) instead of measuring something else."""
     r = appliance("bench", "interruption", "--embedded", "--drift-ppm", "300")
     one_line_error(r, "--room jack")
+
+
+def test_say_out_to_a_directory_or_an_odd_name_is_no_traceback(tmp_path):
+    """``appliance say --out DIR`` gave soundfile's TypeError as a traceback (the fresh user): a directory is a
+    one-line error, and any other name gets a WAV."""
+    import soundfile as sf
+
+    from appliance.audio.files import write_wav
+    from appliance.errors import UserError
+
+    with pytest.raises(UserError, match="is a directory; give a file name"):
+        write_wav(tmp_path, np.zeros(160, np.float32), 16000)
+    write_wav(tmp_path / "x.txt", np.full(160, 0.5, np.float32), 16000)
+    audio, rate = sf.read(str(tmp_path / "x.txt"))
+    assert rate == 16000 and len(audio) == 160 and abs(audio[0] - 0.5) < 1e-3
+
+
+def test_a_truncated_wav_is_read_with_a_warning_that_says_so(tmp_path, caplog):
+    """libsndfile reads a WAV cut short without a word: the fresh user's half-copied question played as
+    0.5 s of 0.9 with no hint. Now a warning names the file, what is missing and the fix."""
+    from appliance.audio.files import load_audio
+
+    whole = (DEMO / "question.wav").read_bytes()
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with caplog.at_level("WARNING"):
+        assert len(load_audio(DEMO / "question.wav")) > 0
+        assert not caplog.records
+        got = load_audio(cut)
+    assert 0 < len(got) < len(load_audio(DEMO / "question.wav"))
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [str(cut)]
+    assert "truncated" in caplog.records[0].getMessage()

@@ -126,7 +126,7 @@ def test_a_misspelt_scenario_key_names_its_line_and_the_key_meant(tmp_path):
     (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
     p = tmp_path / "a.yaml"
     p.write_text("events:\n  - at: 0.5\n    say: q.wav\n  - at: 3.0\n    sya: q.wav\nroom:\n  echo_gian_db: 0\n")
-    with pytest.raises(UserError, match=re.escape("line 4: event 2: unknown key(s) ['sya'] (did you mean 'say'?)")):
+    with pytest.raises(UserError, match=re.escape("line 5: event 2: unknown key(s) ['sya'] (did you mean 'say'?)")):
         Scenario.load(p)
     p.write_text("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  echo_gian_db: 0\n")
     with pytest.raises(UserError, match=re.escape("room: unknown key(s) ['echo_gian_db'] (did you mean 'echo_gain_db'?)")):

@@ -61,6 +61,13 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE, max_seconds: float = MA
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         raise UserError(f"{path}: not a readable audio file ({reason[:120]}); give a WAV, FLAC or OGG recording") from None
     mono = np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
+    short = _wav_missing_bytes(path)
+    if short:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s: truncated: its header declares %d more bytes of audio than the file holds; using the %.2f s that "
+            "are there (copy or export the recording again for all of it)", path, short, mono.size / sr)
     if mono.size == 0:
         raise UserError(f"{path}: the audio file holds no samples; record or generate some speech into it")
     bad = int(np.count_nonzero(~np.isfinite(mono)))
@@ -70,15 +77,44 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE, max_seconds: float = MA
     return resample(mono, sr, rate)
 
 
+def _wav_missing_bytes(path: Path) -> int:
+    """For a RIFF/WAVE file: how many bytes its ``data`` chunk declares beyond the end of the file (a copy or
+    download cut short, which libsndfile reads without a word); 0 for a whole file or any other format."""
+    import struct
+
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(12)
+            if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+                return 0
+            size = path.stat().st_size
+            pos = 12
+            for _ in range(64):  # chunks before "data": fmt, fact, LIST, ... (a bound, not a real limit)
+                fh.seek(pos)
+                hdr = fh.read(8)
+                if len(hdr) < 8:
+                    return 0
+                cid, n = hdr[:4], struct.unpack("<I", hdr[4:])[0]
+                if cid == b"data":
+                    return max(0, pos + 8 + n - size) if n != 0xFFFFFFFF else 0  # (0xFFFFFFFF: a stream)
+                pos += 8 + n + (n & 1)
+    except OSError:
+        return 0
+    return 0
+
+
 def write_wav(path: str | Path, audio: np.ndarray, rate: int) -> None:
     """Write float32 mono audio as 16-bit PCM WAV.
 
     :raises UserError: the file cannot be written (one line naming it)."""
     import soundfile as sf
 
-    try:
-        sf.write(str(path), np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), rate, subtype="PCM_16")
-    except (OSError, RuntimeError, sf.LibsndfileError) as exc:
+    if Path(path).is_dir():
+        raise UserError(f"{path}: is a directory; give a file name, e.g. {Path(path) / 'out.wav'}")
+    try:  # (WAV whatever the name ends with: soundfile would guess the format from the extension, or fail)
+        sf.write(str(path), np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), rate, subtype="PCM_16",
+                 format="WAV")
+    except (OSError, RuntimeError, TypeError, sf.LibsndfileError) as exc:
         reason = getattr(exc, "strerror", None) or exc.__class__.__name__
         raise UserError(f"{path}: cannot write the WAV file ({reason}); check that its folder exists and is writable") from None
 
