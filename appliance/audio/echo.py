@@ -647,7 +647,7 @@ class EchoCanceller:
 
         - A quiet window: where the reply pauses or ends, the microphone holds only the echo's tail and
           noise, the window's ratio rises to -10..0 dB, and the broadband test passed it. Such windows sat
-          21-33 dB below the microphone's usual level (:meth:`level_db`, over the newest 20 ms), the users'
+          21-44 dB below the microphone's usual level (:meth:`level_db`, over the newest 20 ms), the users'
           first windows that the broadband test passed at -12.6 dB or above (99 bench barge-ins and 84
           right after the hand-over, users 6 dB under the echo at the quietest). So that test does not
           count for a window more than ``-GATE_MIN_LEVEL_DB`` (18 dB) below that level (the high-band test
