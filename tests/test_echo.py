@@ -10,7 +10,7 @@ from appliance.audio.echo import FRAME, OVER_DB, EchoCanceller, erle_db, from_co
 from appliance.audio.files import load_audio, resample
 from appliance.audio.room import RoomSpec, Scenario, SimulatedRoom, synthetic_ir
 from appliance.config import Config
-from appliance.vad import SileroVad
+from appliance.vad import SileroVad, VadSegmenter
 from appliance.errors import UserError
 from appliance.speech import HEADROOM
 
@@ -346,6 +346,33 @@ def test_a_cold_canceller_never_lets_the_first_reply_through(far_end, gain_db, i
     assert opened == 0
     assert ec.stand_in_frames > 100  # the stand-in served the first second at least ...
     assert ec.handovers == 1 and ec.warm  # ... and Speex took over once it had converged, for good
+
+
+@pytest.mark.parametrize("lead_ms,ir,onset_s", [(83, True, 5.50), (37, False, 5.14)])
+def test_the_first_reply_does_not_pause_on_itself_after_the_hand_over(parts, lead_ms, ir, onset_s):
+    """The first reply after a start, nobody talking, the listener's own segmenter and onset gate: Speex takes
+    over from the stand-in about 3.8 s in, and its residual still scores as speech to Silero for the rest
+    of the reply, refused by the gate. On main (8672bea) the reply paused on itself once in each case
+    (measured here, the onset at ``onset_s``): with the IR, at the reply's end, a window of the echo's tail
+    30 dB under the microphone's usual level whose ratio had risen to -3 dB; without it, mid-reply, 1.3 s
+    after the hand-over, two windows at -11.7 and -14.3 dB (the soft pass). See
+    :meth:`EchoCanceller.near_end_present` for both cures."""
+    far = fixed_speech(parts.tts, "Hello there. I am happy to help you with questions about science, history, "
+                                  "or anything else you like.")
+    far = np.concatenate([np.zeros(lead_ms * 16, np.float32), far, np.zeros(16000 * 6 // 10, np.float32)])
+    mic, room = through_room(far, 0.0, synthetic_ir(150.0) if ir else None)
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    seg = VadSegmenter(SileroVad())
+    seg.use_gate(ec.near_end_present, ec.near_end_clear)
+    onsets, handed_over_s = [], None
+    for i, played in enumerate(room.output):
+        events = seg.push(ec.process(mic[i * FRAME : (i + 1) * FRAME], played))
+        onsets += [round(e.t_sample / 16000, 2) for e in events if e.kind == "onset"]
+        if ec.handovers and handed_over_s is None:
+            handed_over_s = (i + 1) * FRAME / 16000
+    assert ec.handovers == 1 and handed_over_s < onset_s - 1.0  # Speex took over well before that onset ...
+    assert seg.gated >= 10  # ... and the gate refused windows of its residual that Silero took for speech
+    assert onsets == []
 
 
 def test_the_stand_in_gate_is_strict_before_its_echo_floor_is_known(parts):

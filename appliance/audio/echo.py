@@ -33,7 +33,10 @@ converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first converge
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
 suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
-for good: a new echo path (a device reopened, a reload) gets a new canceller. A chime at start-up was
+for good: a new echo path (a device reopened, a reload) gets a new canceller. Just after the hand-over,
+Speex's onset gate is stricter for 2 s of far end and never passes a window far quieter than the echo's
+usual level: a freshly converged Speex's residual still sounds like speech to Silero (see
+:meth:`EchoCanceller.near_end_present`). A chime at start-up was
 measured as the other cure and rejected: Speex converged on the chime's bands reads as converged while speech bands are not,
 and a noise burst left the filter worse for speech than no sound at all.
 
@@ -82,6 +85,11 @@ HB_MARGIN_DB = 22.0  # ... and at least this far above the high band's own echo 
 HB_MAX_DB = -6.0  # a threshold above this (a floor above -28 dB: the canceller leaves much of the high band) turns it off
 HB_MIN_POWER = 10 ** (-80 / 10)  # ... over a high band with at least this mean power per sample (−80 dBFS)
 HB_MIN_REL_DB = -10.0  # ... and at most this far below the microphone's usual high band while the far end plays
+GATE_MIN_LEVEL_DB = -18.0  # Speex's broadband test: the window's newest LEVEL_SAMPLES at most this far below the
+#   microphone's usual level while the far end plays (EchoCanceller.level_db; see near_end_present)
+LEVEL_SAMPLES = 2 * FRAME  # ... measured over the newest 20 ms of the VAD window, where a user's onset is
+STRICT_FRAMES = LT_FRAMES  # after the hand-over, Speex's broadband gate is strict (GATE_MAX_DB, no soft pass) for
+#   this many far-active frames (2 s of the reply: a whole echo floor's memory); see near_end_present
 BAND_EDGES_HZ = (0.0, 500.0, 1000.0, HB_HZ, MODEL_RATE / 2 + 1)  # the bands whose convergence is measured one by one
 FAR_BAND_ACTIVE = 10 ** (-65 / 10)  # mean far-end power per sample in a band above which the band counts as played
 COLD_DB = GATE_MAX_DB - GATE_MARGIN_DB  # a window whose expected residual echo is above this is "cold" (-18 dB):
@@ -249,6 +257,8 @@ class EchoCanceller:
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
         self._floor_hold_until = 0  # frames before this one stay out of the floors (see _keep_onset_out)
         self._lt_new = 0  # far-end frames the floors took since the gate last passed (see _keep_onset_out)
+        self._far_frames = 0  # far-active frames processed (as the floors count them)
+        self._handover_far = 0  # ... at the hand-over
         # Idle (the far end digital silence in every frame kept): the microphone's and the output's bands are
         # computed only when the far end returns or a reader asks (see process, _fill_bands). False: every frame.
         self.skip_idle_bands = skip_idle_bands
@@ -350,6 +360,7 @@ class EchoCanceller:
                 self._lt_hb_in.append(self._hb_in[-1])
                 self._lt_hb_out.append(self._hb_out[-1])
                 self._lt_new += 1
+                self._far_frames += 1
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
             self._band_in.append(b_in[i])
@@ -511,6 +522,7 @@ class EchoCanceller:
         if grew and self.converged():
             self.warm, self._stand_in = True, None
             self.handovers += 1
+            self._handover_far = self._far_frames
             return
         if self._stand_in is None and self._stand_in_ready:
             try:
@@ -571,6 +583,18 @@ class EchoCanceller:
         usual = sum(kept) / len(kept)
         return 10.0 * np.log10((now + 1e-20) / (usual + 1e-20))
 
+    def level_db(self, n: int = LEVEL_SAMPLES) -> Optional[float]:
+        """The microphone's mean power per frame over the last ``n`` samples (whole 10 ms frames, at least
+        one) relative to its mean over the last 2 s of far-active frames but the newest 300 ms (the echo's
+        usual level, noise included, as :meth:`echo_floor_db` takes them), dB; None before 0.5 s of those.
+        Broadband; :meth:`high_band_level_db` is the same above ``HB_HZ``."""
+        if len(self._lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4 or not self._ratio_in:
+            return None
+        k = max(1, n // FRAME)
+        now = sum(self._ratio_in[-k:]) / k
+        kept = self._lt_in[:-FLOOR_LAG_FRAMES]
+        return 10.0 * np.log10((now + 1e-20) / (sum(kept) / len(kept) + 1e-20))
+
     def high_band_floor_db(self) -> Optional[float]:
         """Like :meth:`echo_floor_db` over the band above ``HB_HZ`` only, dB; None before 0.5 s of far end."""
         return _floor_db(self._lt_hb_out, self._lt_hb_in)
@@ -615,6 +639,26 @@ class EchoCanceller:
         passed both conditions. On 144 barge-ins (3 voices, 4 short stops and 2 long interruptions, users
         at −6 and 0 dB, echo at 0 and +6 dB) the user's first windows sat at −16 to +3 dB, and the barge-in
         p50/p95 went from 99/176 ms (broadband test alone) to 68/116 ms.
+
+        Speex just after the hand-over from the stand-in (the first reply after a start). Every band has
+        shown convergence then, but Speex's residual still scores as speech to Silero (0.5-0.9) for
+        seconds. Two ways it still got through, measured here, offline, on 14 fixed Piper replies x 3
+        start offsets x echo gains -20..+6 dB x IR on/off (and on the bench's own cold first replies):
+
+        - A quiet window: where the reply pauses or ends, the microphone holds only the echo's tail and
+          noise, the window's ratio rises to -10..0 dB, and the broadband test passed it. Such windows sat
+          21-44 dB below the microphone's usual level (:meth:`level_db`, over the newest 20 ms), the users'
+          first windows that the broadband test passed at -12.6 dB or above (99 bench barge-ins and 84
+          right after the hand-over, users 6 dB under the echo at the quietest). So that test does not
+          count for a window more than ``-GATE_MIN_LEVEL_DB`` (18 dB) below that level (the high-band test
+          still does, over its own level condition). AEC3's gate is left as it was: it never passed such
+          a window, and while it serves (the reply's first seconds, the usual level taken from its first
+          loud words) users' first windows sat down to -17 dB.
+        - A window of the running reply: Speex's residual reached -9.9 dB, or -11.7 and -14.3 dB in two
+          consecutive checks (the soft pass), 0.5-1.3 s after the hand-over, never later. So for
+          ``STRICT_FRAMES`` of far end after the hand-over the broadband test asks for ``GATE_MAX_DB``
+          (-6 dB) with no soft pass. The cost, on 84 barge-ins 0.15-1.2 s after the hand-over: 14 detected
+          10-50 ms later, p50 68-77 -> 76-79 ms, p95 unchanged.
         """
         if self.stand_in_active and self._stand_in.frames:
             return self._stand_in.near_end_present(n)
@@ -631,6 +675,9 @@ class EchoCanceller:
         # also within GATE_SOFT_DB of it: a user's onset under louder echo keeps the ratio up from window to
         # window, while the echo's excursions (the canceller momentarily behind) last one window.
         soft = r >= threshold - GATE_SOFT_DB
+        if self._just_handed_over():
+            # Speex has just taken over from the stand-in (see the notes above): strict for STRICT_FRAMES.
+            threshold, soft = max(threshold, GATE_MAX_DB), False
         if self.echo_floor_db() is None:
             # The floor is not known yet (the first 0.8 s of far end): the AEC3 stand-in removes only 7-14 dB
             # of the reply's first words then, and its gate passed them at -14..-7 dB (measured here, offline,
@@ -638,12 +685,28 @@ class EchoCanceller:
             threshold, soft = max(threshold, GATE_NO_FLOOR_DB), False
         passed = r >= threshold or (soft and self._last_soft is not None and self.frames - self._last_soft <= 2)
         self._last_soft = self.frames if soft else None
+        if passed and self._too_quiet():
+            passed = False
         passed = (passed or hb_passed) and r <= OVER_DB
         if passed:
             self._keep_onset_out()
         if self.record:
-            self.gate_log.append(self._log_row(t, passed))
+            self.gate_log.append(self._log_row((r, threshold) + t[2:], passed))
         return passed
+
+    def _just_handed_over(self) -> bool:
+        """Speex has taken over from the stand-in less than ``STRICT_FRAMES`` far-active frames ago."""
+        return self.handovers > 0 and self.warm and self._far_frames - self._handover_far < STRICT_FRAMES
+
+    def _too_quiet(self) -> bool:
+        """Speex's broadband test does not count for a window whose newest ``LEVEL_SAMPLES`` are more than
+        ``-GATE_MIN_LEVEL_DB`` below the microphone's usual level while the far end plays (:meth:`level_db`):
+        what is left there is the echo's quiet end or its tail, not a user (see :meth:`near_end_present`).
+        Not for WebRTC AEC3 (the stand-in, or ``echo.backend: webrtc``): its gate never needed it."""
+        if self.backend != "speex":
+            return False
+        level = self.level_db(LEVEL_SAMPLES)
+        return level is not None and level < GATE_MIN_LEVEL_DB
 
     def near_end_clear(self, n: int = 512) -> bool:
         """The strict double-talk test, for a window the VAD is unsure of while the far end plays: True when
@@ -712,7 +775,8 @@ class EchoCanceller:
         """A row of :attr:`gate_log` or :attr:`clear_log` from :meth:`_band_tests`' figures."""
         r, threshold, hb, hb_threshold, level, _ = t
         rnd = lambda x: None if x is None else round(float(x), 1)  # noqa: E731
-        return GateRow(self.frames, rnd(r), rnd(threshold), passed, rnd(hb), rnd(hb_threshold), rnd(level))
+        return GateRow(self.frames, rnd(r), rnd(threshold), passed, rnd(hb), rnd(hb_threshold), rnd(level),
+                       rnd(self.level_db(LEVEL_SAMPLES)))
 
     def _far_energy_recent(self, n: int) -> float:
         """Mean far-end power per sample over the last ``n`` samples (at most the 64 frames kept)."""
@@ -737,6 +801,7 @@ class GateRow(NamedTuple):
     hb_ratio_db: Optional[float]  # the same above HB_HZ
     hb_threshold_db: Optional[float]
     hb_level_db: Optional[float]  # the high band's level relative to its usual level
+    level_db: Optional[float] = None  # the newest 20 ms's level relative to the usual level (EchoCanceller.level_db)
 
 
 def _ratio_db(e_out: float, e_in: float) -> float:
