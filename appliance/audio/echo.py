@@ -49,6 +49,17 @@ the 48 kHz JACK room, measured here) whatever the output ring holds; that delay 
 between the two devices are left to the canceller (Speex models ``tail_ms`` of echo path; AEC3
 estimates the delay; nothing calls :meth:`EchoCanceller.set_delay_ms`).
 
+Clock drift (measured here, the 48 kHz JACK room at +300 ppm with the clipping speaker, the service's own
+streams replayed offline through this canceller): the echo's delay behind the far end wandered 29.7-35.6 ms
+and moved 0.2-1.4 ms over each silence between replies. Speex never showed convergence, so AEC3 served; adapted
+on the reply before, it removed only 2-23 dB of a reply's first second, and the replies paused themselves
+there. So AEC3 starts afresh when the far end returns after a second of silence
+(:meth:`EchoCanceller._restart_due`): 34-43 dB over every reply's first second. Tried and not kept, on the
+same streams: ``set_stream_delay_ms(33)`` (ERLE over the echo-only frames 22.3 -> 22.0 dB: AEC3 keeps its own
+estimate), feeding AEC3 through the silences (22.2 dB), and a far end delayed by the echo delay's change as
+cross-correlation measured it causally, 0.3-0.5 s windows (21.4-26.9 dB: a reply's new delay is known only
+from its echo; the same with the change known in advance: 49.0 dB).
+
 Measured here (x86_64, 2 cores, linear echo path, Piper speech as far end): see ``appliance bench
 interruption`` (``erle_db``) and ``tests/test_echo.py``.
 
