@@ -100,7 +100,8 @@ class Listener:
     :param replying: ``() -> bool``, read per block: the appliance is answering (thinking, speaking or
         interrupted), so a barge-in may come: the VAD runs both of its phase-shifted streams (a probability
         every 16 ms); otherwise one (every 32 ms, half the inference; see ``VadSegmenter.both_streams``),
-        and while its VAD is in no utterance either, the canceller may skip Speex (``quiet``).
+        and while its VAD is in no utterance either, the canceller may skip Speex (``quiet``) and the VAD
+        skips windows at the room's noise floor (``VadSegmenter.skip_floor``).
     """
 
     def __init__(self, segmenter: VadSegmenter, post: Callable[..., None], echo=None,
@@ -224,8 +225,9 @@ class Listener:
         near = mic
         # While the reply is paused for the user, a short silence ends the interjection (then decide).
         replying = self._replying()
-        self.segmenter.follow(interjecting=self._interjecting(), both_streams=replying)  # (the second Silero
-        #   stream only while a barge-in may come)
+        # (the second Silero stream only while a barge-in may come; windows at the room's noise floor not run
+        #   while nobody is answered)
+        self.segmenter.follow(interjecting=self._interjecting(), both_streams=replying, skip_floor=not replying)
         if self.echo is not None and far is not None:
             # Quiet (listening, no utterance under way): the canceller may pass a block whose far end has
             # long been silent straight through (EchoCanceller.process); the VAD hears it unprocessed.

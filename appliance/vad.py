@@ -22,6 +22,10 @@ WINDOW = 512  # samples per VAD window at 16 kHz = 32 ms
 CONTEXT = 64  # samples of left context the model expects before each window
 WINDOW_MS = WINDOW * 1000 / MODEL_RATE
 HOP = WINDOW // 2  # the segmenter's default hop: two phase-shifted Silero streams, one result every 16 ms
+FLOOR_S = 3.0  # skip_floor: the room's noise floor is the quietest window of the last FLOOR_S seconds ...
+FLOOR_MARGIN_DB = 2.0  # ... a window at most this far above it is not run ...
+FLOOR_SETTLE_S = 3.0  # ... once the first stream has run this long on windows at the floor, back to back
+FLOOR_MAX_DBFS = -55.0  # ... while that floor is at most this loud (mean square of the window, dBFS)
 
 
 def bundled_model_path() -> Path:
@@ -96,6 +100,16 @@ class SileroVad:
         self.last = float(out[0, 0])
         return self.last
 
+    def skip(self, window: np.ndarray) -> float:
+        """A window not run (:attr:`VadSegmenter.skip_floor`): scored 0.0; its tail is the next window's
+        context, as if it had run; the recurrent state stays where the last run left it.
+
+        :param window: float32 [512] mono PCM at 16 kHz. :returns: 0.0.
+        """
+        self._context = np.asarray(window[-CONTEXT:], dtype=np.float32).copy()
+        self.last = 0.0
+        return 0.0
+
 
 @dataclass
 class VadEvent:
@@ -147,6 +161,22 @@ class VadSegmenter:
     second stream starts afresh (:meth:`SileroVad.reset`, as the reference starts a stream), not from the
     state it had before the gap.
 
+    ``skip_floor`` (the listener sets it while nobody is answered; it needs ``both_streams`` False): windows
+    at the room's noise floor are not run at all. The floor is the quietest window (mean square) of the last
+    3 s; a window at most 2 dB above it, while that floor is −55 dBFS or quieter, is scored 0.0 without
+    inference (:meth:`SileroVad.skip`: its tail is the next window's context), once the stream has run 3 s
+    of such windows back to back since the last sound. A voice raises a window's energy well above a quiet
+    room's floor (speech 15 dB above it: +15 dB), so such windows are run. What it does not keep: Silero's
+    recurrent state, which keeps drifting for tens of seconds over plain noise (measured here: the state
+    after 10 s of −70 dBFS noise is 3.4 from the state after 60 s, after 1 s 14.3, norm 28), stays where the
+    3 s left it, so a later onset is scored from a state that heard the room for 3 s, not for minutes.
+    Measured here, offline, with the demo's question and "Wait." and a human recording at −55 to −30 dBFS
+    over −70 and −60 dBFS floors, 3.5–18 s apart: every onset without the gate had one with it at the same
+    window or earlier (up to 2 windows earlier at −55/−50 dBFS, where Silero without it split some into
+    onset, reject, onset), none later, and at −55 dBFS over −60 some quiet "Wait."s that it missed
+    were heard; the bench's non-speech sounds (−30 to 0 dB) started no candidate either way. Skipped: two
+    thirds of the windows of that speech scene, all but the 3 s after each sound in a quiet room.
+
     While :attr:`interjecting` is True (the appliance has paused its reply for the user's speech), an
     utterance ends after ``interjection_silence_ms`` of silence instead of ``min_silence_ms``, so that a
     backchannel is decided, and the reply resumed, within 400 ms of its end (200 ms of silence + at most one
@@ -188,6 +218,8 @@ class VadSegmenter:
     early_onsets: int = 0  # candidates started by onset_evidence below threshold
     hop: int = HOP
     both_streams: bool = True  # False: the second stream is skipped (see the class notes)
+    skip_floor: bool = False  # with both_streams False: windows at the room's noise floor are not run (notes)
+    floor_skipped: int = 0  # windows not run because of skip_floor
     # Optional end-of-turn model (appliance.eot): ``end_of_turn(utterance) -> probability`` that the user has
     # finished. With it, a confirmed utterance (not an interjection) ends when the model, asked at a pause of
     # ``short_stop_ms`` and again at ``end_of_turn_confirm_ms`` of the same pause, says complete both times
@@ -224,12 +256,18 @@ class VadSegmenter:
         self._settle_from: Optional[int] = None  # end of the last speech after an interjection, samples
         self._eot_asked: Optional[tuple] = None  # (_last_voice, probability, final?) of this pause's EOT call(s)
         self._second_skipped = False  # the second stream missed windows (both_streams was False)
+        self._floor = np.full(int(FLOOR_S * MODEL_RATE / WINDOW), np.inf)  # mean squares of the last 3 s of windows
+        self._floor_i = 0
+        self._floor_n = 0  # windows tracked
+        self._floor_run = 0  # windows at the floor in a row
 
-    def follow(self, interjecting: bool, both_streams: bool) -> None:
+    def follow(self, interjecting: bool, both_streams: bool, skip_floor: bool = False) -> None:
         """The conversation's moment, given by the listener before each block: ``interjecting`` (the reply is
-        paused for the user: ``interjection_silence_ms`` ends the speech) and ``both_streams`` (a barge-in may
-        come: both Silero streams every 16 ms hop; False: one, every 32 ms). Takes effect from the next window."""
-        self.interjecting, self.both_streams = interjecting, both_streams
+        paused for the user: ``interjection_silence_ms`` ends the speech), ``both_streams`` (a barge-in may
+        come: both Silero streams every 16 ms hop; False: one, every 32 ms) and ``skip_floor`` (nobody is
+        answered: windows at the room's noise floor need not run; see the class notes). Takes effect from
+        the next window."""
+        self.interjecting, self.both_streams, self.skip_floor = interjecting, both_streams, skip_floor
 
     def configure(self, threshold: float, min_speech_ms: int, min_silence_ms: int, max_utterance_s: float,
                   interjection_silence_ms: int, short_stop_ms: int = 200, end_of_turn_threshold: float = 0.5,
@@ -306,7 +344,9 @@ class VadSegmenter:
                 continue
             k = self._hops % len(self._streams)
             stream = self._streams[k]
-            if k and not self.both_streams:
+            if not k and self._at_floor(self._window_buf):
+                stream = _Skipped(stream)
+            elif k and not self.both_streams:
                 stream, self._second_skipped = _Held(self._streams[0]), True
             elif k and self._second_skipped:
                 stream.reset()  # it missed windows: a fresh stream, not one resumed across a gap
@@ -314,12 +354,35 @@ class VadSegmenter:
             events.extend(self._window(self._window_buf, new, stream))
         return events
 
+    def _at_floor(self, w: np.ndarray) -> bool:
+        """Track the room's noise floor on the first stream's windows (back to back, 32 ms) and say whether
+        this one may be skipped: :attr:`skip_floor`, one stream, no utterance under way, ``FLOOR_S`` of
+        windows heard, the quietest of them at most ``FLOOR_MAX_DBFS``, this one within ``FLOOR_MARGIN_DB``
+        of it, and the stream has run ``FLOOR_SETTLE_S`` of such windows in a row since the last that was
+        not (so after every sound, reply or utterance)."""
+        e = float(np.dot(w, w)) / len(w)
+        floor = float(self._floor.min())
+        self._floor[self._floor_i] = e
+        self._floor_i = (self._floor_i + 1) % len(self._floor)
+        self._floor_n += 1
+        if not self.skip_floor or self.both_streams or self._in_speech or self._floor_n <= len(self._floor):
+            self._floor_run = 0
+            return False
+        if floor > 10 ** (FLOOR_MAX_DBFS / 10) or e > floor * 10 ** (FLOOR_MARGIN_DB / 10):
+            self._floor_run = 0
+            return False
+        self._floor_run += 1
+        if self._floor_run * WINDOW <= FLOOR_SETTLE_S * MODEL_RATE:
+            return False
+        self.floor_skipped += 1
+        return True
+
     def _window(self, w: np.ndarray, new: np.ndarray, stream: SileroVad) -> list[VadEvent]:
         """One probability over the window ``w`` (the last 512 samples), whose last ``hop`` samples,
         ``new``, have not been seen before."""
         t0 = time.perf_counter()
         p = stream.probability(w)
-        if not isinstance(stream, _Held):
+        if not isinstance(stream, (_Held, _Skipped)):
             self.infer_ms.append((time.perf_counter() - t0) * 1000.0)
         if len(self.infer_ms) > 4096:
             del self.infer_ms[:2048]
@@ -425,3 +488,14 @@ class _Held:
 
     def probability(self, window: np.ndarray) -> float:
         return self._stream.last
+
+
+class _Skipped:
+    """A window at the room's noise floor (``VadSegmenter.skip_floor``): not run, scored 0.0
+    (:meth:`SileroVad.skip`)."""
+
+    def __init__(self, stream: SileroVad):
+        self._stream = stream
+
+    def probability(self, window: np.ndarray) -> float:
+        return self._stream.skip(window)
