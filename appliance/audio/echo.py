@@ -100,7 +100,8 @@ GATE_MIN_LEVEL_DB = -18.0  # Speex's broadband test: the window's newest LEVEL_S
 #   microphone's usual level while the far end plays (EchoCanceller.level_db; see near_end_present)
 LEVEL_SAMPLES = 2 * FRAME  # ... measured over the newest 20 ms of the VAD window, where a user's onset is
 STRICT_FRAMES = LT_FRAMES  # after the hand-over, Speex's broadband gate is strict (GATE_MAX_DB, no soft pass) for
-#   this many far-active frames (2 s of the reply: a whole echo floor's memory); see near_end_present
+#   this many far-active frames (2 s of the reply: a whole echo floor's memory); see near_end_present ...
+STRICT_GAP_FRAMES = 100  # ... within the reply of the hand-over: a far-end silence this long (1 s) ends it
 AEC3_MIN_LEVEL_DB = -25.0  # ... and for WebRTC AEC3's broadband test (the stand-in, or echo.backend webrtc): the
 #   whole VAD window at most this far below that level (see EchoCanceller._too_quiet)
 BAND_EDGES_HZ = (0.0, 500.0, 1000.0, HB_HZ, MODEL_RATE / 2 + 1)  # the bands whose convergence is measured one by one
@@ -333,6 +334,8 @@ class EchoCanceller:
         loud = np.flatnonzero(e_far)
         before = self._far_silent_run  # far-silent frames before this block's first
         self._far_silent_run = before + n if not len(loud) else n - 1 - int(loud[-1])
+        if self._far_silent_run >= STRICT_GAP_FRAMES:
+            self._handover_far = -STRICT_FRAMES  # the reply of a hand-over is over: no strict gate after it
         bypass = quiet and self.bypass_idle and self.backend == "speex" and not len(loud) and \
             before + 1 >= self._bypass_after and self.frames - self.bypassed_frames >= BYPASS_AFTER_FRAMES
         if self._restart_due(before, loud):
@@ -715,8 +718,11 @@ class EchoCanceller:
         - A window of the running reply: Speex's residual reached -9.9 dB, or -11.7 and -14.3 dB in two
           consecutive checks (the soft pass), 0.5-1.3 s after the hand-over, never later. So for
           ``STRICT_FRAMES`` of far end after the hand-over the broadband test asks for ``GATE_MAX_DB``
-          (-6 dB) with no soft pass. The cost, on 84 barge-ins 0.15-1.2 s after the hand-over: 14 detected
-          10-50 ms later, p50 68-77 -> 76-79 ms, p95 unchanged.
+          (-6 dB) with no soft pass, within the reply of the hand-over (a far-end silence of
+          ``STRICT_GAP_FRAMES``, 1 s, ends it). The cost, on 84 barge-ins 0.15-1.2 s after the hand-over: 14
+          detected 10-50 ms later, p50 68-77 -> 76-79 ms, p95 unchanged. Carried over into the next reply
+          (the first form), it held back the bench's first barge-ins after the first replies: a user 6 dB
+          under the echo 0.4 s into the next reply was heard 706 ms late (measured here, the full bench).
         """
         if self.stand_in_active and self._stand_in.frames:
             return self._stand_in.near_end_present(n)
@@ -753,7 +759,8 @@ class EchoCanceller:
         return passed
 
     def _just_handed_over(self) -> bool:
-        """Speex has taken over from the stand-in less than ``STRICT_FRAMES`` far-active frames ago."""
+        """Speex has taken over from the stand-in less than ``STRICT_FRAMES`` far-active frames ago, and the
+        far end has not been silent for ``STRICT_GAP_FRAMES`` since (the reply of the hand-over still plays)."""
         return self.handovers > 0 and self.warm and self._far_frames - self._handover_far < STRICT_FRAMES
 
     def _too_quiet(self, n: int = 512) -> bool:
