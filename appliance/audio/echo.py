@@ -34,7 +34,7 @@ Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
 suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
 for good: a new echo path (a device reopened, a reload) gets a new canceller. Just after the hand-over,
-Speex's onset gate is stricter for 2 s of far end and never passes a window far quieter than the echo's
+Speex's onset gate is stricter for 2 s of the reply of the hand-over and never passes a window far quieter than the echo's
 usual level: a freshly converged Speex's residual still sounds like speech to Silero (see
 :meth:`EchoCanceller.near_end_present`). A chime at start-up was
 measured as the other cure and rejected: Speex converged on the chime's bands reads as converged while speech bands are not,
@@ -712,9 +712,9 @@ class EchoCanceller:
           first windows that the broadband test passed at -12.6 dB or above (99 bench barge-ins and 84
           right after the hand-over, users 6 dB under the echo at the quietest). So that test does not
           count for a window more than ``-GATE_MIN_LEVEL_DB`` (18 dB) below that level (the high-band test
-          still does, over its own level condition). AEC3's gate is left as it was: it never passed such
-          a window, and while it serves (the reply's first seconds, the usual level taken from its first
-          loud words) users' first windows sat down to -17 dB.
+          still does, over its own level condition). AEC3's gate never passed such a window here, and while
+          it serves (the reply's first seconds, the usual level taken from its first loud words) users'
+          first windows sat down to -17 dB: it gets a looser bound of its own (:meth:`_too_quiet`).
         - A window of the running reply: Speex's residual reached -9.9 dB, or -11.7 and -14.3 dB in two
           consecutive checks (the soft pass), 0.5-1.3 s after the hand-over, never later. So for
           ``STRICT_FRAMES`` of far end after the hand-over the broadband test asks for ``GATE_MAX_DB``
