@@ -56,7 +56,9 @@ def events(out, name):
 def test_long_barge_in_goes_silent_fast_and_flushes(ctx, parts, embedded_cfg):
     cache = ctx[0]
     text = bench.LONG_INTERRUPTIONS[0]
-    out = run(ctx, parts, embedded_cfg, bench.Case("barge_in", "long", cache.speech(text, "joe"), text, 0.8, 6.0),
+    # 1.4 s into the reply: at 0.8 s the onset now falls, more often than not, in the silence after the reply's
+    # first piece (output already silent at the onset: 0 ms, nothing measured; 3 of 3 runs alone, measured here)
+    out = run(ctx, parts, embedded_cfg, bench.Case("barge_in", "long", cache.speech(text, "joe"), text, 1.4, 6.0),
               until_idle=True)  # the rest of the user's words end their turn seconds after the flush
     assert out.interrupted >= 1 and out.flushed
     assert out.barge is not None and 0 < out.barge["output_silent_ms"] <= 200  # target 100 (benchmark)
