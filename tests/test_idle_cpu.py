@@ -134,7 +134,9 @@ def test_the_second_stream_starts_afresh_when_both_are_needed_again():
     assert len(seen) == len(want) and np.allclose(seen, want, atol=1e-6)
 
 
-def test_the_listener_runs_both_streams_only_while_the_appliance_replies():
+def test_the_listener_runs_both_streams_and_every_window_only_while_the_appliance_replies():
+    """While nobody is answered: one Silero stream, and windows at the room's floor skipped; while replying:
+    both streams, every window."""
     from appliance.pipeline import Listener
     from appliance.vad import SileroVad, VadSegmenter
 
@@ -142,10 +144,10 @@ def test_the_listener_runs_both_streams_only_while_the_appliance_replies():
     seg = VadSegmenter(SileroVad())
     listener = Listener(seg, lambda *a, **k: None, replying=lambda: replying[0])
     listener._process(np.zeros(480, np.float32), None)
-    assert seg.both_streams is False
+    assert seg.both_streams is False and seg.skip_floor is True
     replying[0] = True
     listener._process(np.zeros(480, np.float32), None)
-    assert seg.both_streams is True
+    assert seg.both_streams is True and seg.skip_floor is False
 
 
 # --- the VAD in a quiet room: windows at the noise floor are not run ---
@@ -244,20 +246,6 @@ def test_the_vad_runs_every_window_in_a_louder_room_while_replying_and_after_a_s
     # here 3.6 s after its last sample above -50 dBFS)
     loud = np.flatnonzero(np.abs(quiet[: 10 * 16000]) > 10 ** (-50 / 20))
     assert loud[0] < 5 * 16000 and loud[-1] + 3 * 16000 <= first_skipped(quiet) <= loud[-1] + 4 * 16000
-
-
-def test_the_listener_skips_windows_at_the_floor_only_while_nobody_is_answered():
-    from appliance.pipeline import Listener
-    from appliance.vad import SileroVad, VadSegmenter
-
-    replying = [False]
-    seg = VadSegmenter(SileroVad())
-    listener = Listener(seg, lambda *a, **k: None, replying=lambda: replying[0])
-    listener._process(np.zeros(480, np.float32), None)
-    assert seg.skip_floor is True
-    replying[0] = True
-    listener._process(np.zeros(480, np.float32), None)
-    assert seg.skip_floor is False
 
 
 # --- the echo canceller while nothing plays ---
