@@ -144,44 +144,33 @@ def _did_you_mean(unknown, allowed) -> str:
     return ""
 
 
-def _item_lines(node, key: str) -> list[int]:
-    """1-based line of each item of the top-level list ``key`` in a composed YAML mapping node ([] when the
-    node is not a mapping or ``key`` not a list), so that an error can name the line of the event it is about."""
+def _top(node, key: str):
+    """The value node of the top-level ``key`` in a composed YAML mapping ``node``, or None."""
     import yaml
 
-    if not isinstance(node, yaml.MappingNode):
-        return []
-    for key_node, value_node in node.value:
-        if key_node.value == key and isinstance(value_node, yaml.SequenceNode):
-            return [item.start_mark.line + 1 for item in value_node.value]
-    return []
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if key_node.value == key:
+                return value_node
+    return None
 
 
-def _item_key_lines(node, key: str) -> list[dict[str, int]]:
-    """For each item of the top-level sequence ``key`` in the composed YAML ``node``: its keys' 1-based lines
-    ({} for an item that is not a mapping), so that an error names the line of the key at fault."""
+def _key_lines(node) -> dict[str, int]:
+    """The 1-based line of each key of a YAML mapping node ({} for any other node)."""
     import yaml
 
-    if not isinstance(node, yaml.MappingNode):
-        return []
-    for key_node, value_node in node.value:
-        if key_node.value == key and isinstance(value_node, yaml.SequenceNode):
-            return [{k.value: k.start_mark.line + 1 for k, _ in item.value} if isinstance(item, yaml.MappingNode)
-                    else {} for item in value_node.value]
-    return []
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value} if isinstance(node, yaml.MappingNode) else {}
 
 
-def _map_key_lines(node, key: str) -> dict[str, int]:
-    """The 1-based lines of the keys of the top-level mapping ``key`` in the composed YAML ``node`` ({} when
-    there is none)."""
+def _item_lines(node, key: str) -> list[tuple[int, dict[str, int]]]:
+    """For each item of the top-level list ``key`` in a composed YAML mapping node: its 1-based line and its
+    keys' lines (:func:`_key_lines`), so that an error names the line of the key at fault, else of the event;
+    [] when ``key`` is not a list."""
     import yaml
 
-    if not isinstance(node, yaml.MappingNode):
-        return {}
-    for key_node, value_node in node.value:
-        if key_node.value == key and isinstance(value_node, yaml.MappingNode):
-            return {k.value: k.start_mark.line + 1 for k, _ in value_node.value}
-    return {}
+    items = _top(node, key)
+    return [(item.start_mark.line + 1, _key_lines(item)) for item in items.value] \
+        if isinstance(items, yaml.SequenceNode) else []
 
 
 @dataclass
@@ -230,10 +219,9 @@ class Scenario:
         base = path.parent
         events = []
         lines = _item_lines(node, "events")
-        key_lines = _item_key_lines(node, "events")
         for i, ev in enumerate(data["events"], 1):
-            where = f"{path}: line {lines[i - 1]}: event {i}" if i <= len(lines) else f"{path}: event {i}"
-            keys = key_lines[i - 1] if i <= len(key_lines) else {}
+            line, keys = lines[i - 1] if i <= len(lines) else (None, {})
+            where = f"{path}: line {line}: event {i}" if line else f"{path}: event {i}"
 
             def at(*names: str, i: int = i, keys: dict = keys, where: str = where) -> str:
                 """The error's place: the line of the first of ``names`` the event has, else the event's."""
@@ -276,7 +264,7 @@ class Scenario:
         if not isinstance(r, dict):
             raise UserError(f"{path}: `room` must be a mapping (echo_gain_db, echo_delay_ms, noise, noise_gain_db)")
         allowed = ["echo_gain_db", "echo_delay_ms", "rt60_ms", "impulse_response", "noise", "noise_gain_db"]
-        room_lines = _map_key_lines(node, "room")
+        room_lines = _key_lines(_top(node, "room"))
         line_of = lambda k: f"line {room_lines[k]}: " if k in room_lines else ""  # noqa: E731
         extra = set(r) - set(allowed)
         if extra:
