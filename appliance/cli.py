@@ -26,8 +26,11 @@ def _config(args: argparse.Namespace) -> Config:
     from .pipeline import embedded_config
 
     if getattr(args, "embedded", False):
-        base = load(args.config) if args.config else Config()
-        return embedded_config(base)
+        if not args.config:
+            return embedded_config(Config())
+        print(f"note: --embedded with --config {args.config}: its model, voice, gpio and history settings are "
+              "replaced by the embedded defaults; the rest of it is used", file=sys.stderr)
+        return embedded_config(load(args.config))
     path = Path(args.config) if args.config else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml"))
     args.config_path = path
     return load(path)
@@ -195,7 +198,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
         source = str(Path(source) / METRICS_FILE)
     summary = summarise(read_turns(source), args.last)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary, source))
+    if source != "journal" and _replayed_unpaced(Path(source).parent / "timeline.jsonl"):
+        print(f"note: {source} is from a replay run with --fast: its latencies are in simulated time, not measured",
+              file=sys.stderr)
     return 0
+
+
+def _replayed_unpaced(timeline: Path) -> bool:
+    """Whether ``timeline`` is a replay's timeline whose first event says it ran unpaced (``--fast``)."""
+    try:
+        with timeline.open(encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("paced") is False
 
 
 def _json_out(args: argparse.Namespace) -> Optional[Path]:
@@ -314,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="config file (default /etc/appliance/config.yaml, else ./config.yaml)")
         if embedded:
             sp.add_argument("--embedded", action="store_true",
-                            help="use the embedded defaults (Gemma 3 270M text model and the Joe voice from PyPI)")
+                            help="use the embedded defaults (Gemma 3 270M text model and the Joe voice from PyPI); "
+                                 "with --config, they replace its model, voice, gpio and history settings")
 
     sp = sub.add_parser("run", help="the service on real sound devices")
     common(sp)

@@ -126,6 +126,16 @@ def test_say_writes_a_wav(tmp_path):
     r = appliance("say", "Hello from the appliance.", "--out", str(out), "--embedded")
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 20000
+    assert "note" not in r.stderr
+
+
+def test_embedded_with_a_config_says_what_it_replaces(tmp_path):
+    """``--config F --embedded`` used F's other sections with the embedded model and voice, and said nothing."""
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text("vad:\n  threshold: 0.6\n")
+    r = appliance("say", "Hello.", "--out", str(tmp_path / "h.wav"), "--config", str(cfg), "--embedded")
+    assert r.returncode == 0, r.stderr
+    assert f"--config {cfg}" in r.stderr and "replaced by the embedded defaults" in r.stderr
 
 
 def test_say_into_a_missing_folder(tmp_path):
@@ -170,6 +180,10 @@ def test_fast_replay_finishes_the_same_conversation(tmp_path):
     states = report["states"]
     assert states[:5] == ["listening", "thinking", "speaking", "interrupted", "listening"]
     assert states[-1] == "listening"
+    # its latencies are in simulated time: `stats` on its output says so (it printed 0 ms without a word)
+    s = appliance("stats", str(tmp_path / "o"))
+    assert s.returncode == 0 and "turns from" in s.stdout, (s.stdout, s.stderr)
+    assert "--fast" in s.stderr and "not measured" in s.stderr
 
 
 def test_a_missing_model_names_the_config_file_given_and_leaves_no_empty_output(tmp_path):
