@@ -139,7 +139,7 @@ CASES = [
     ("scenario-alias-bomb", lambda t: (_replay(p := _scenario(t, BOMB), t, "--embedded"), p), "anchors and aliases"),
     ("scenario-duplicate-key", lambda t: (_replay(p := _scenario(
         t, f"events:\n  - at: 0.5\n    at: 1.0\n    say: {QUESTION}\n    text: hi\n"), t, "--embedded"), p),
-     "duplicate key"),
+     "line 3: duplicate key `at` in event 1 (also at line 2)"),
     ("scenario-not-utf8", lambda t: (_replay(p := _scenario(t, b"events:\n  - say: caf\xe9.wav\n"), t, "--embedded"), p),
      "iconv"),
     ("scenario-fifo", lambda t: (_replay(p := _fifo(t, "s.yaml"), t, "--embedded"), p), "not a regular file"),

@@ -208,6 +208,9 @@ class Scenario:
         dups = duplicate_keys(node)
         if dups:
             line, key, first = dups[0]
+            parts = key.split(".")
+            if len(parts) > 2 and parts[0] == "events" and parts[1].isdigit():  # name the event as the others do
+                key = f"`{'.'.join(parts[2:])}` in event {parts[1]}"
             raise UserError(f"{path}: line {line}: duplicate key {key} (also at line {first}); keep one")
         unknown = set(data) - {"events", "room"} if isinstance(data, dict) else set()
         if unknown:
