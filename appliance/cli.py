@@ -71,7 +71,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         (out / name).unlink(missing_ok=True)
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
     report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines,
-                    transcript=args.transcript)
+                    transcript=args.transcript, scenario=scenario)
     print(f"reply:    {out / 'reply.wav'}")
     print(f"timeline: {out / 'timeline.jsonl'}")
     print(f"report:   {out / 'report.json'}")

@@ -104,7 +104,7 @@ def check_transcripts(scenario: Scenario, input_path: str | Path) -> None:
 
 def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Config, *, paced: bool = True,
            echo=None, print_line: Optional[Callable[[str], None]] = None, max_seconds: float = 180.0,
-           idle_tail_s: float = 1.0, transcript: Optional[str] = None) -> dict:
+           idle_tail_s: float = 1.0, transcript: Optional[str] = None, scenario: Optional[Scenario] = None) -> dict:
     """Run the scenario through a :class:`Session` in the simulated room and write the outputs.
 
     :param paced: True: the room runs on the wall clock, so latencies include real compute. False
@@ -112,10 +112,11 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
         be waiting for it (while it thinks, and for each clause's audio), so the conversation is the same
         but its latencies mean nothing.
     :param transcript: the text of a WAV input, for a model that cannot hear.
+    :param scenario: ``input_path`` already loaded (:func:`load_input`); None loads it here.
     :returns: the report (also written to ``report.json``).
     :raises UserError: bad input (scenario, audio files) or a text-only model with no transcript.
     """
-    scenario = load_input(input_path, transcript)
+    scenario = scenario if scenario is not None else load_input(input_path, transcript)
     hears = parts.engine.hears_audio
     if not hears:
         check_transcripts(scenario, input_path)

@@ -313,3 +313,15 @@ def test_a_truncated_wav_is_read_with_a_warning_that_says_so(tmp_path, caplog):
     assert 0 < len(got) < len(load_audio(DEMO / "question.wav"))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [str(cut)]
     assert "truncated" in caplog.records[0].getMessage()
+
+
+def test_a_truncated_wav_replayed_is_warned_about_once(tmp_path):
+    """The replay read its input twice (once to fail fast before loading the models), so the fresh user saw
+    the truncation warning twice."""
+    whole = (DEMO / "question.wav").read_bytes()
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(whole[: len(whole) // 2])
+    r = appliance("replay", str(cut), "--transcript", "What is a rainbow?", "--out", str(tmp_path / "o"),
+                  "--embedded", "--fast", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("more bytes of audio than the file holds") == 1, r.stderr

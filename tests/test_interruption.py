@@ -56,10 +56,17 @@ def events(out, name):
 def test_long_barge_in_goes_silent_fast_and_flushes(ctx, parts, embedded_cfg):
     cache = ctx[0]
     text = bench.LONG_INTERRUPTIONS[0]
-    # 1.4 s into the reply: at 0.8 s the onset now falls, more often than not, in the silence after the reply's
-    # first piece (output already silent at the onset: 0 ms, nothing measured; 3 of 3 runs alone, measured here)
-    out = run(ctx, parts, embedded_cfg, bench.Case("barge_in", "long", cache.speech(text, "joe"), text, 1.4, 6.0),
-              until_idle=True)  # the rest of the user's words end their turn seconds after the flush
+    # The user talks 1.4 s into the reply, or later when the output was silent at the onset: a reply falls
+    # silent after its first piece until the next one is generated and synthesised, for longer on a loaded
+    # machine (at 0.8 s more often than not, measured here; at 1.4 s the fresh user's loaded run, 3 of 3), and
+    # a barge-in into silence measures nothing (output_silent_ms 0). The one measured case is asserted.
+    for at in (1.4, 2.2, 3.0):
+        out = run(ctx, parts, embedded_cfg, bench.Case("barge_in", "long", cache.speech(text, "joe"), text, at, 6.0),
+                  until_idle=True)  # the rest of the user's words end their turn seconds after the flush
+        if not (out.barge and out.barge.get("output_silent_ms") == 0.0):
+            break
+    else:
+        pytest.fail("the reply was silent at all three onsets: nothing measured")
     assert out.interrupted >= 1 and out.flushed
     assert out.barge is not None and 0 < out.barge["output_silent_ms"] <= 200  # target 100 (benchmark)
     # Only what reached the speaker is kept, and the interruption is the next user turn.
