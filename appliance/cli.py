@@ -83,6 +83,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for b in report["barge_ins"]:
         silent = (f"output silent after {b['output_silent_ms']} ms" if b["output_silent_ms"] else
                   "the output was already silent (a gap between clauses)")
+        if 0 < b["output_silent_ms"] < b["detected_ms"]:
+            silent += " (a pause of the reply itself, before the detection)"
         print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, {silent}")
     if report["timed_out"]:
         print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
