@@ -31,9 +31,21 @@ def _config(args: argparse.Namespace) -> Config:
         print(f"note: --embedded with --config {args.config}: its model, voice, gpio and history settings are "
               "replaced by the embedded defaults; the rest of it is used", file=sys.stderr)
         return embedded_config(load(args.config))
-    path = Path(args.config) if args.config else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml"))
+    path = Path(args.config) if args.config else _default_config()
     args.config_path = path
     return load(path)
+
+
+def _default_config(embedded_ok: bool = True) -> Path:
+    """The config file a command reads when none is given: /etc/appliance/config.yaml (the appliance's), else
+    ./config.yaml (a checkout's).
+
+    :raises UserError: neither exists (naming both places and the ways out)."""
+    for path in (DEFAULT_CONFIG_PATH, Path("config.yaml")):
+        if path.exists():
+            return path
+    ways = "give --config FILE, or --embedded for the built-in defaults" if embedded_ok else "give the file"
+    raise UserError(f"no config file: neither {DEFAULT_CONFIG_PATH} nor ./config.yaml exists; {ways}")
 
 
 def _name_the_config(message: str, args: argparse.Namespace) -> str:
@@ -157,8 +169,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    default = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml")
-    path = Path(args.file or args.config or default)
+    path = Path(args.file or args.config or _default_config(embedded_ok=False))
     from .config import check
 
     cfg = check(path)  # the schema, then the sizes and the model files' headers
@@ -350,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_replay)
 
     sp = sub.add_parser("say", help="speak a sentence (checks the TTS and the output device)")
-    sp.add_argument("text")
+    sp.add_argument("text", help="what to say (quote it)")
     sp.add_argument("--out", help="write a WAV instead of playing")
     common(sp)
     sp.set_defaults(func=cmd_say)
@@ -361,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("check-config", help="validate a config file without running (exit 0 or 2); "
                         "default /etc/appliance/config.yaml, else ./config.yaml")
-    sp.add_argument("file", nargs="?")
+    sp.add_argument("file", nargs="?", help="the config file to check")
     sp.add_argument("--config", help=argparse.SUPPRESS)
     sp.set_defaults(func=cmd_check_config)
 

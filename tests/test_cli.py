@@ -325,3 +325,13 @@ def test_a_truncated_wav_replayed_is_warned_about_once(tmp_path):
                   "--embedded", "--fast", "--quiet")
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("more bytes of audio than the file holds") == 1, r.stderr
+
+
+@pytest.mark.parametrize("argv", [["check-config"], ["say", "Hello.", "--out", "h.wav"]])
+def test_no_config_anywhere_names_both_places(tmp_path, argv):
+    """Run with no config in /etc/appliance or the working directory, a command said only "config.yaml: config
+    file not found", not that /etc/appliance/config.yaml was tried first, nor the ways out."""
+    if Path("/etc/appliance/config.yaml").exists():
+        pytest.skip("this machine has the appliance's config")
+    r = appliance(*argv, cwd=tmp_path)
+    one_line_error(r, "/etc/appliance/config.yaml", "./config.yaml")
