@@ -146,6 +146,10 @@ class _NameTheConfig(logging.Filter):
 def cmd_run(args: argparse.Namespace) -> int:
     from .service import run as run_service
 
+    if args.embedded:  # (its model is text-only whatever --config says: embedded_config drops the projector)
+        raise UserError("--embedded: the embedded model (Gemma 3 270M) is text-only, so it cannot hear the "
+                        "microphone; run with a config whose model.gguf and model.mmproj hear (--config FILE), or "
+                        "try the embedded parts with `appliance replay` (`make demo`)")
     cfg = _config(args)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_NameTheConfig(args))

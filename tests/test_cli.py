@@ -118,7 +118,8 @@ def test_shipped_config_is_valid():
 
 def test_run_refuses_a_text_only_model(tmp_path):
     r = appliance("run", "--embedded")
-    one_line_error(r, "text-only", "mmproj")
+    # (it said "set model.mmproj", with no config file in use to set it in)
+    one_line_error(r, "--embedded", "text-only", "--config FILE", "appliance replay")
 
 
 def test_say_writes_a_wav(tmp_path):
