@@ -196,7 +196,7 @@ class Service:
         if new.model != old.model:
             self._reload_model(new)
             changed.append("model (loading in the background)")
-        log.warning("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
+        log.info("config reloaded from %s (changed: %s)", path, ", ".join(changed) or "nothing")
         self.reloads.append({"applied": True, "changed": changed})
         return True
 
