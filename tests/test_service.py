@@ -70,7 +70,9 @@ def test_run_without_sound_device_notifies_retries_and_reloads(tmp_path):
         joined = "\n".join(msgs)
         assert "READY=1" in joined, joined
         assert joined.count("WATCHDOG=1") >= 3  # pinged at half of WATCHDOG_USEC while the threads live
-        assert "STATUS=error: no output sound device matches audio.output: 'ReSpeaker' (found:" in joined, joined
+        # both missing, both named at once (it named only the output; fresh user, session 11)
+        assert "STATUS=error: no input sound device matches audio.input: 'ReSpeaker' (found:" in joined, joined
+        assert "; and no output sound device matches audio.output: 'ReSpeaker' (found:" in joined, joined
         time.sleep(2.5)  # several more attempts
         assert proc.poll() is None, "the service must keep retrying, not exit"
         log = (tmp_path / "stderr.txt").read_text()

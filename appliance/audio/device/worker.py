@@ -206,7 +206,15 @@ def run(fd: int, params: dict) -> int:
         sd = import_sounddevice()
         devices = query_devices(sd)
         d_in, d_out = default_devices(sd)
-        dout = match_device(devices, params["output"], "output", d_out)
+        try:
+            dout = match_device(devices, params["output"], "output", d_out)
+        except DeviceNotFound as exc:
+            if params.get("input") is not None:  # both missing: say so at once, not one per restart
+                try:
+                    match_device(devices, params["input"], "input", d_in)
+                except DeviceNotFound as exc_in:
+                    raise DeviceNotFound(f"{exc_in}; and {exc}", exc_in.found + exc.found) from None
+            raise
         out_rate, out_ch = probe_format(sd, dout, "output")
         din = None
         in_rate, in_ch = out_rate, 1
