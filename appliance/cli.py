@@ -208,6 +208,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         cfg = _config(args) if explicit else Config()
         path = Path(cfg.storage.state_dir) / METRICS_FILE
         source = str(path) if path.exists() else "journal"
+        if not path.exists():
+            print(f"note: no {path} (the service's metrics log): reading the journal instead", file=sys.stderr)
     elif Path(source).is_dir():  # a replay's output directory: its metrics log
         if not (Path(source) / METRICS_FILE).is_file():
             raise UserError(f"{source}: is a directory without {METRICS_FILE}; give a metrics.jsonl or a replay's "

@@ -163,6 +163,7 @@ def test_stats_with_no_source_and_no_config_anywhere(tmp_path):
     r = appliance("stats", cwd=tmp_path)
     assert r.returncode == 0 and "config" not in r.stderr, (r.stdout, r.stderr)
     assert "turns from" in r.stdout
+    assert "/var/lib/appliance/state/metrics.jsonl" in r.stderr or "journal" not in r.stdout  # where it looked first
 
 
 def test_stats_on_a_file_that_holds_no_turns(tmp_path):
