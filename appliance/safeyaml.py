@@ -128,7 +128,7 @@ def duplicate_keys(node: Optional[yaml.Node], prefix: tuple = ()) -> list[tuple[
 def load_file(path: Path, what: str, fix_missing: str, fix_syntax: str) -> tuple[Optional[yaml.Node], Any]:
     """:func:`read_text` then :func:`compose`, every failure as one :class:`UserError` line.
 
-    :param fix_syntax: what to say after a YAML syntax error (e.g. "see the scenario format in the README").
+    :param fix_syntax: what to say after a YAML syntax error (e.g. "see the scenario format in docs/replay.md").
     :raises UserError: naming the file, the line when known, and the fix.
     """
     text = read_text(path, what, fix_missing)

@@ -197,14 +197,14 @@ class Scenario:
             raise
         except Exception as exc:  # whatever the file holds, one line and exit 2, never a traceback
             raise UserError(f"{path}: cannot load the scenario ({exc.__class__.__name__}); check it against the "
-                            "scenario format in the README") from None
+                            "scenario format in docs/replay.md") from None
 
     @classmethod
     def _load(cls, path: Path) -> "Scenario":
         from ..safeyaml import duplicate_keys, load_file
 
         node, data = load_file(path, "scenario", "check the path",
-                               "fix the syntax (see the scenario format in the README)")
+                               "fix the syntax (see the scenario format in docs/replay.md)")
         dups = duplicate_keys(node)
         if dups:
             line, key, first = dups[0]
@@ -245,7 +245,8 @@ class Scenario:
             if "say" not in ev or not isinstance(ev["say"], str):
                 raise UserError(f"{at('say')}: needs `say: FILE.wav` (a path relative to the scenario file)")
             if ("at" in ev) == ("after" in ev):
-                raise UserError(f"{at('after', 'at')}: give exactly one of `at: SECONDS` or `after: speaking`")
+                raise UserError(f"{at('after', 'at')}: give exactly one of `at: SECONDS` or `after: speaking` (or "
+                                "thinking, or listening)")
             if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
                 raise UserError(f"{at('after')}: `after:` must be speaking, thinking or listening, "
                                 f"not {str(ev['after'])[:40]!r}")
@@ -265,7 +266,8 @@ class Scenario:
         room = RoomSpec()
         r = data.get("room") or {}
         if not isinstance(r, dict):
-            raise UserError(f"{path}: `room` must be a mapping (echo_gain_db, echo_delay_ms, noise, noise_gain_db)")
+            raise UserError(f"{path}: `room` must be a mapping (echo_gain_db, echo_delay_ms, rt60_ms or impulse_response, "
+                            "noise, noise_gain_db; see docs/replay.md)")
         allowed = ["echo_gain_db", "echo_delay_ms", "rt60_ms", "impulse_response", "noise", "noise_gain_db"]
         room_lines = _key_lines(_top(node, "room"))
         line_of = lambda k: f"line {room_lines[k]}: " if k in room_lines else ""  # noqa: E731
