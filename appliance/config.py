@@ -293,7 +293,8 @@ class ConfigError(UserError):
                 break
             shown.append(text)
             size += len(text) + 2
-        more = f"; and {len(problems) - len(shown)} more" if len(shown) < len(problems) else ""
+        rest = problems[len(shown):]  # named by key, so the owner can fix every one in this pass
+        more = f"; and {len(rest)} more, at {', '.join(sorted({p.path for p in rest}))}" if rest else ""
         super().__init__(f"{path}: {'; '.join(shown)}{more} (fix it, then run `appliance check-config {path}`)")
 
 

@@ -130,6 +130,9 @@ CASES = [
      "model.n_ctx: 2048 tokens cannot hold"),
     ("config-projector-as-model", lambda t: (["check-config", str(p := _config(
         t, f"model:\n  gguf: {MMPROJ}\n  mmproj: {MMPROJ}\n"))], p), "is an audio projector"),
+    # two problems, one shown: the other is named by key (it said only "and 1 more")
+    ("config-model-and-projector-swapped", lambda t: (["check-config", str(p := _config(
+        t, f"model:\n  gguf: {MMPROJ}\n  mmproj: {GGUF}\n"))], p), "; and 1 more, at model.mmproj"),
     ("config-prompt-too-long", lambda t: (["check-config", str(p := _config(
         t, f"model:\n  gguf: {GGUF}\n  mmproj: {MMPROJ}\n  system_prompt: '{'Be brief. ' * 900}'\n"))], p),
      "model.system_prompt:"),
