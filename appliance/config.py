@@ -245,6 +245,21 @@ class GpioConfig(_Section):
                 owner[pin] = name
         return self
 
+    @model_validator(mode="after")
+    def _pins_for_the_led_kind(self) -> "GpioConfig":
+        """Refuse an ``led_kind`` without its pins, or LED pins it would not use: nothing would light, without
+        a word. ``single`` (the default) with no LED pins at all is allowed: a board with only the button."""
+        given = {"single": self.led_pin is not None, "rgb": bool(self.rgb_pins), "per_state": bool(self.state_leds)}
+        key = {"single": "led_pin", "rgb": "rgb_pins", "per_state": "state_leds"}
+        if given[self.led_kind] or (self.led_kind == "single" and not any(given.values())):
+            return self
+        others = [k for k, v in given.items() if v]
+        fix = f"set led_kind: {others[0]}, or give {key[self.led_kind]}" if others else f"give {key[self.led_kind]}"
+        has = f", but gpio.{key[others[0]]} is given" if others else ""
+        raise PydanticCustomError("led_kind_pins", "{kind} needs gpio.{needs}{has}; {fix}",
+                                  {"kind": self.led_kind, "needs": key[self.led_kind], "has": has, "fix": fix,
+                                   "field": "led_kind"})
+
 
 class StorageConfig(_Section):
     """Where the conversation history and the mute flag live."""
@@ -383,7 +398,7 @@ def _problems(err: ValidationError, lines: dict[tuple, int]) -> list[ConfigProbl
             close = difflib.get_close_matches(loc[-1], known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys here: {', '.join(known)}"
             problems.append(ConfigProblem(line, path, f"unknown key{hint}"))
-        elif e["type"] == "pin_reused":
+        elif e["type"] in ("pin_reused", "led_kind_pins"):
             problems.append(ConfigProblem(line, path, e["msg"]))
         else:
             problems.append(ConfigProblem(line, path, f"{_expected(e)}, found {_found(e.get('input'))}"))

@@ -54,6 +54,11 @@ BAD = {
                      "flow sequence that began at line 2)"),
     "tab indentation": ("vad:\n\tthreshold: 0.5\n",
                         "line 2: (yaml): invalid YAML: found character '\\t' that cannot start any token"),
+    "led kind without its pins": ("gpio:\n  led_kind: rgb\n",  # nothing would light, without a word
+                                  "line 2: gpio.led_kind: rgb needs gpio.rgb_pins; give rgb_pins"),
+    "pins for another led kind": ("gpio:\n  led_kind: per_state\n  led_pin: 17\n",
+                                  "line 2: gpio.led_kind: per_state needs gpio.state_leds, but gpio.led_pin is "
+                                  "given; set led_kind: single, or give state_leds"),
     "tilde path": ("storage:\n  state_dir: ~/state\n",  # check-config and the service would expand it apart
                    "line 2: storage.state_dir: '~' is not expanded here (the service runs as its own user, whose "
                    "home is not yours); give the absolute path, found '~/state' (text)"),
