@@ -180,7 +180,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"{path}: valid")
     # The config is valid, but a model file it names may not be on this machine (a config copied from the Pi,
     # or a Pi whose image has not fetched its models): the service would not start, so say so here too.
-    missing = [f"{key} {p}" for key, p in (("model.gguf", cfg.model.gguf), ("model.mmproj", cfg.model.mmproj))
+    # (Piper also needs the voice's config beside it; named when the voice itself is there)
+    voice_json = cfg.voice.model and Path(cfg.voice.model).exists() and str(cfg.voice.model) + ".json"
+    missing = [f"{key} {p}" for key, p in (("model.gguf", cfg.model.gguf), ("model.mmproj", cfg.model.mmproj),
+                                           ("voice.model", cfg.voice.model), ("the voice's config", voice_json))
                if p and not Path(p).exists()]
     if missing:
         print(f"note: not found on this machine: {', '.join(missing)}; `appliance doctor --config {path}` "

@@ -124,6 +124,12 @@ def test_valid_config_exit_0(tmp_path):
     cfg.write_text(f"model:\n  gguf: {gguf}\n  mmproj: null\n")
     r = check_config(cfg)
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{cfg}: valid\n", "")
+    # a voice that is not here is named too (it was left out), and then its config beside it
+    voice = tmp_path / "v.onnx"
+    cfg.write_text(f"model:\n  gguf: {gguf}\n  mmproj: null\nvoice:\n  model: {voice}\n")
+    assert check_config(cfg).stdout.startswith(f"{cfg}: valid\nnote: not found on this machine: voice.model {voice};")
+    voice.write_bytes(b"")
+    assert f"the voice's config {voice}.json;" in check_config(cfg).stdout
 
 
 def test_empty_file_is_all_defaults():
