@@ -114,3 +114,16 @@ def test_the_pi_figures_are_measured_with_the_engine_and_leave_its_cache_alone(p
     assert tiny.n_past == before
     mem = llama_cpp.llama_get_memory(tiny.llm.ctx)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == before - 1
+
+
+def test_bench_engine_prints_a_table_of_the_committed_figures():
+    """`bench engine` printed its raw JSON, while its help and every other bench print a table (fresh user)."""
+    from pathlib import Path
+
+    from appliance.bench.engine import format_table
+
+    report = json.loads((Path(__file__).parent.parent / "docs/bench/engine-x86_64-2core.json").read_text())
+    lines = format_table(report).splitlines()
+    assert len(lines) == 3 and lines[0].startswith("model")
+    assert lines[1].split()[:5] == ["tiny-gemma4.gguf", "audio", "48", "/", "48"]
+    assert "1.85x" in lines[1] and "19.8 s" in lines[2] and "5213.6" in lines[2]

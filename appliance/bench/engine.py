@@ -178,8 +178,24 @@ def run(text_model: Path, json_path: Optional[Path], n_turns: int = 50, examples
                                   n_threads=n_threads),
         "measured": "here (x86_64, 2 cores); see the README for what to expect on a Pi 5",
     }
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(format_table(report))
     if json_path:
-        Path(json_path).write_text(text + "\n", encoding="utf-8")
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
+
+
+def format_table(report: dict) -> str:
+    """The figures that answer the bench's questions, one row each per model (fixed-width, read over SSH):
+    prefill tokens at turn 1 and the last turn (the KV cache grows, nothing is re-evaluated), the TTFT's
+    growth over the turns, the full re-prefill a cache-clearing handler would pay, cancel → idle, KV bytes
+    per token. All measured here; the JSON (``--json``) holds the rest."""
+    rows = [f"{'model':28} {'input':5} {'prefill 1st/last':>16} {'TTFT last/1st':>13} {'re-prefill':>12} "
+            f"{'cancel p95':>10} {'KV B/tok q4_0':>13}"]
+    for m in (report["audio_model"], report["text_model"]):
+        pre = list(m["prefill_tokens"].values())
+        ratio = next((v for k, v in m.items() if k.startswith("turn_latency_ratio_")), None)
+        rows.append(f"{m['model'][:28]:28} {m['input']:5} {f'{pre[0]} / {pre[-1]}':>16} "
+                    f"{'-' if ratio is None else f'{ratio:.2f}x':>13} "
+                    f"{m['full_reprefill_at_last_turn']['ms'] / 1000:>10.1f} s {m['cancel_to_idle_ms']['p95']:>7.1f} ms "
+                    f"{m['kv_bytes_per_token']['q4_0']:>13.1f}")
+    return "\n".join(rows)
