@@ -484,6 +484,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`appliance doctor | head -3`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Bad input gets one line naming the file and the fix, exit code 2, no traceback."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -337,3 +338,13 @@ def test_no_config_anywhere_names_both_places(tmp_path, argv):
         pytest.skip("this machine has the appliance's config")
     r = appliance(*argv, cwd=tmp_path)
     one_line_error(r, "/etc/appliance/config.yaml", "./config.yaml")
+
+
+def test_a_reader_that_goes_away_is_no_traceback():
+    """`appliance check-config | head -1` printed a BrokenPipeError traceback when head left before the note."""
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the command writes a byte
+    proc = subprocess.run([sys.executable, "-m", "appliance", "check-config", str(ROOT / "config.yaml")],
+                          stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(w)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
