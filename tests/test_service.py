@@ -189,10 +189,10 @@ def test_run_without_model_waits_in_a_no_model_state_and_loads_when_it_arrives(t
         # The model files arrive (e.g. copied over SSH): it loads them by itself.
         for name in ("tiny-gemma4.gguf", "tiny-gemma4-mmproj.gguf"):
             (models / name).write_bytes((FIX / name).read_bytes())
-        msgs = _recv_until(sock, lambda g: any("STATUS=error: no output sound device" in m for m in g), 60)
+        msgs = _recv_until(sock, lambda g: any("STATUS=error: no input sound device" in m for m in g), 60)
         joined = "\n".join(msgs)
         assert "STATUS=loading tiny-gemma4.gguf" in joined, joined
-        assert "STATUS=error: no output sound device" in joined, joined  # now past the model, on to the devices
+        assert "STATUS=error: no input sound device" in joined and "no output sound device" in joined, joined  # now past the model, on to the devices
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
