@@ -214,7 +214,7 @@ class VadSegmenter:
     # not the echo", which only happens while the appliance talks): with it, a window scored at least
     # ``onset_low_threshold`` starts a candidate too. See the class notes.
     onset_evidence: Optional[Callable[[], bool]] = None
-    onset_low_threshold: float = 0.1
+    onset_low_threshold: float = 0.2
     early_onsets: int = 0  # candidates started by onset_evidence below threshold
     hop: int = HOP
     both_streams: bool = True  # False: the second stream is skipped (see the class notes)

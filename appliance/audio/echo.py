@@ -16,8 +16,9 @@ while a user's first phoneme under louder echo sits at −22 to −15 dB for 20�
 ``gate_db`` (−10 dB) at once, or within ``GATE_SOFT_DB`` of it in two consecutive checks 16 ms apart (the
 echo's excursions last one window, a user's onset does not); the threshold is raised while the canceller
 is unconverged (:meth:`EchoCanceller.gate_threshold_db`). A second test looks above 2 kHz only, where a
-user's consonants stand out from a cancelled echo long before the user's vowel does (see
-:meth:`EchoCanceller.near_end_present`).
+user's consonants stand out from a cancelled echo long before the user's vowel does, and a strong form of
+it passes a high band that is mostly not echo even where it is quieter than usual, as a nasal's or a quiet
+"st"'s is under louder echo (see :meth:`EchoCanceller.near_end_present`).
 
 An output frame more than ``OVER_DB`` louder than its input is the filter's own estimate of an echo that
 is not there (after double talk, or when the echo path goes away): it is scaled down to the input, and the
@@ -679,8 +680,8 @@ class EchoCanceller:
 
     def near_end_present(self, n: int = 512) -> bool:
         """Double-talk test for the VAD's onset gate: True when the last ``n`` samples are not mostly
-        cancelled echo, or when the far end has been silent for the echo tail (200 ms) and the window. Two
-        tests, either passes:
+        cancelled echo, or when the far end has been silent for the echo tail (200 ms) and the window. Three
+        tests, any one passes:
 
         - broadband: the output/input ratio at or above :meth:`gate_threshold_db` (or within
           ``GATE_SOFT_DB`` of it in two consecutive checks);
@@ -688,7 +689,9 @@ class EchoCanceller:
           high band no more than ``HB_MIN_REL_DB`` below its usual level (:meth:`high_band_level_db`). A
           user's fricative, plosive or breath ("stop", "hold on") is quiet next to the echo's vowels, so the
           broadband ratio stays low until the user's own vowel, but above 2 kHz the canceller leaves little
-          of a linear echo, and the user's consonant fills that band.
+          of a linear echo, and the user's consonant fills that band;
+        - strong high band (:meth:`_hb_strong`, Speex converged, not in the strict period below): the ratio
+          there ``HB_STRONG_DB`` above that threshold, over a high band down to 18 dB under its usual level.
 
         Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
         (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
@@ -788,9 +791,10 @@ class EchoCanceller:
 
     def near_end_clear(self, n: int = 512) -> bool:
         """The strict double-talk test, for a window the VAD is unsure of while the far end plays: True when
-        both of :meth:`near_end_present`'s tests pass at once, the broadband ratio at or above
-        :meth:`gate_threshold_db` (no soft pass) and the high-band test. False while the far end is silent
-        or before any frame: then there is no echo to tell the user from, and the VAD alone decides.
+        both of :meth:`near_end_present`'s first two tests pass at once, the broadband ratio at or above
+        :meth:`gate_threshold_db` (no soft pass) and the high-band test, or when the strong high-band test
+        (:meth:`_hb_strong`) passes. False while the far end is silent or before any frame: then there is no
+        echo to tell the user from, and the VAD alone decides.
 
         Why both (measured here, offline, on the bench's voices, echo path and canceller, with the floors'
         first form and the high band at −20 dB): over 48 echo-only replies (5.6 min, echo at 0, +6 and
