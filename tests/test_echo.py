@@ -320,7 +320,8 @@ def test_an_onset_the_gate_passed_stays_out_of_the_floors_after_the_lag(far_end)
 
 def test_strict_near_end_test_needs_both_bands_and_a_far_end():
     """near_end_clear (behind the VAD's early onsets) on set frame energies: both bands must pass at once,
-    the broadband one without its soft second chance, and only while the far end plays."""
+    the broadband one without its soft second chance, and only while the far end plays; or the strong
+    high-band test alone (a high band mostly not echo, see test_the_strong_high_band_test_...)."""
     ec = EchoCanceller("speex", gate_db=-10.0)
     ec.warm = True  # shown converged (the cold start's rules: test_a_cold_canceller_never_lets_...)
     ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
@@ -335,19 +336,57 @@ def test_strict_near_end_test_needs_both_bands_and_a_far_end():
             ec._hb_out.append(1e-2 * 10 ** (hb_db / 10))
             ec.frames += 1
 
-    frames(-5.0, -5.0)
+    frames(-5.0, -12.0)
     assert ec.near_end_clear() and ec.near_end_present()
-    frames(-25.0, -5.0)
+    frames(-20.0, -12.0)
     assert not ec.near_end_clear() and ec.near_end_present()  # the high band alone: the gate, not the strict test
     frames(-5.0, -30.0)
     assert not ec.near_end_clear() and ec.near_end_present()  # broadband alone
-    frames(-14.0, -5.0, n=2)
-    frames(-14.0, -5.0, n=2)
+    frames(-14.0, -12.0, n=2)
+    frames(-14.0, -12.0, n=2)
     assert not ec.near_end_clear()  # a soft broadband pass does not count
+    frames(-20.0, -5.0)
+    assert ec.near_end_clear()  # ... but a strong high band does
     frames(6.0, 6.0)
     assert not ec.near_end_clear() and not ec.near_end_present()  # output louder than input: our own estimate
     frames(-5.0, -5.0, far=0.0, n=25)
     assert not ec.near_end_clear() and ec.near_end_present()  # no far end: nothing to tell the user from
+
+
+def test_the_strong_high_band_test_passes_a_quiet_consonant_mostly_not_echo():
+    """The strong high-band test on set frame energies (high-band threshold -16 dB): a high band 10 dB or
+    more above it passes either double-talk test alone, over a high band down to 18 dB under its usual
+    level (the plain high-band test: 10 dB) and a broadband ratio down to -24 dB; not in the strict period
+    after the hand-over, and not with AEC3."""
+    ec = EchoCanceller("speex", gate_db=-10.0)
+    ec.warm = True
+    ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
+    ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200
+    assert ec.high_band_threshold_db() == -16.0
+
+    def check(bb_db, hb_db, hb_level_db, n=3):
+        for _ in range(n):
+            ec._ratio_in.append(1.0)
+            ec._ratio_out.append(10 ** (bb_db / 10))
+            ec._ratio_far.append(1.0)
+            ec._hb_in.append(1e-2 * 10 ** (hb_level_db / 10))
+            ec._hb_out.append(ec._hb_in[-1] * 10 ** (hb_db / 10))
+            ec.frames += 1
+        return ec.near_end_present(), ec.near_end_clear()
+
+    assert check(-20.0, -5.0, -15.0) == (True, True)  # a nasal's onset under louder echo
+    assert check(-20.0, -8.0, -15.0) == (False, False)  # 8 dB above the threshold: not strong
+    assert check(-20.0, -5.0, -20.0) == (False, False)  # a high band 20 dB under its usual level
+    assert check(-26.0, -5.0, -15.0) == (False, False)  # the window mostly cancelled echo
+    assert check(-20.0, -12.0, 0.0) == (True, False)  # the plain high-band test: the gate only
+    ec.handovers, ec._handover_far = 1, ec._far_frames  # Speex has just taken over from the stand-in
+    assert check(-20.0, -5.0, -15.0) == (False, False)
+    ec._handover_far = -10_000
+    assert check(-20.0, -5.0, -15.0) == (True, True)
+    aec3 = EchoCanceller("webrtc", gate_db=-10.0)
+    aec3._lt_in, aec3._lt_out, aec3._lt_hb_in, aec3._lt_hb_out = ec._lt_in, ec._lt_out, ec._lt_hb_in, ec._lt_hb_out
+    ec = aec3
+    assert check(-20.0, -5.0, -15.0) == (False, False)
 
 
 @pytest.mark.parametrize("mic_floor_db", [None, -70.0])
@@ -515,3 +554,42 @@ def test_the_strict_gate_after_the_hand_over_ends_with_the_reply_of_the_hand_ove
     k = min(len(far_end) - FRAME, 16000)
     ec.process(mic[k:k + 160 * 20], far_end[k:k + 160 * 20])  # the next reply
     assert not ec._just_handed_over()
+
+
+@pytest.mark.parametrize("voice", ["joe", "en-us+f3", "en-gb+m3"])
+def test_a_short_stop_under_louder_echo_is_heard_before_its_vowel(parts, far_end, tmp_path, voice):
+    """A converged canceller (a whole reply played before, then a 1.2 s silence, as between two replies),
+    the next reply's echo 6 dB louder than the user, and the user's "Stop." (the bench's three voices)
+    1.5 s into it: the product's segmenter and onset gate must start the barge-in within 64 ms (four VAD
+    hops) of the user's first sound, and not before it. Silero scores the "st" 0.05-0.45 until the vowel and the
+    broadband ratio stays under the threshold under the echo's vowels, while the high band is mostly the
+    user's: on main (449869f) the onset came 78 ms (Piper) and 156 and 172 ms (espeak-ng, with the vowel)
+    after the first sound; with the strong high-band test (:meth:`EchoCanceller._hb_strong`), 44-46 ms
+    (measured here)."""
+    from appliance.bench import interruption as bench
+    from appliance.audio.files import first_above
+
+    if voice == "joe":  # Piper, with no noise: the same samples every run (see far_end)
+        user = bench.at_level(fixed_speech(parts.tts, "Stop."), bench.USER_DBFS)
+    else:  # espeak-ng renders the same samples every run
+        user = bench.AudioCache(tmp_path, parts.tts).speech("Stop.", voice)
+    gain = bench.USER_DBFS + 6.0 - bench.active_dbfs(far_end)
+    gap = np.zeros(16000 * 12 // 10, np.float32)
+    far = np.concatenate([far_end, gap, far_end])
+    mic, room = through_room(far, gain)
+    at = len(far_end) + len(gap) + 16000 * 15 // 10
+    mic = mic.copy()
+    mic[at : at + len(user)] += user[: len(mic) - at]
+    onset_true = at + first_above(user, -40.0)
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    seg = VadSegmenter(SileroVad())
+    seg.use_gate(ec.near_end_present, ec.near_end_clear)
+    onsets = []
+    for i, played in enumerate(room.output):
+        if (i + 1) * FRAME > onset_true + 16000 // 2:
+            break
+        onsets += [e.t_sample + 512 for e in seg.push(ec.process(mic[i * FRAME : (i + 1) * FRAME], played))
+                   if e.kind == "onset"]  # the window's end: when the segmenter could know
+    assert ec.warm and not ec._just_handed_over()  # Speex serves, past the strict period of the hand-over
+    assert onsets and onsets[0] >= onset_true - FRAME, onsets  # no onset on the echo before the user
+    assert (onsets[0] - onset_true) / 16.0 <= 64.0, (onsets[0] - onset_true) / 16.0
