@@ -121,6 +121,11 @@ BYPASS_REWARM_FRAMES = 20  # the bypassed frames Speex processes when it is need
 BYPASS_AFTER_FRAMES = 300  # ... and none before Speex has processed this many frames (3 s) since it was built: its
 #   preprocessor's noise estimate learns the room first, so a cold start (the question often comes within the first
 #   seconds, and the first reply after it is the one most at risk of pausing itself) runs exactly as with no bypass
+OVER_ECHO_DB = 15.0  # the stand-in's bypass (EchoCanceller.over_echo): a band of the microphone this far above the echo
+#   the far end predicts (and the room's noise), in two consecutive 10 ms frames, is the user's, not our echo
+OVER_ECHO_DELAY_FRAMES = (2, 6)  # ... the echo predicted from the far end 20-50 ms earlier (the loudest of them) ...
+OVER_ECHO_DECAY_DB = 4.0  # ... smeared by the room's decay, dB per 10 ms frame (RT60 150 ms) ...
+OVER_ECHO_NOISE_FRAMES = 300  # ... plus the room's noise: the 5th percentile of the microphone's bands over these frames
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
 
@@ -295,6 +300,18 @@ class EchoCanceller:
         self._restart_frames = int(round(restart_after_silence_s * MODEL_RATE / FRAME)) if restart_after_silence_s else 0
         self.restarts = 0  # AEC3 restarts after a silence (see _restart_due)
         self._restart_pending = False  # a restart of the stand-in is due when it is next fed
+        # The stand-in's bypass (over_echo): the echo the far end predicts, band by band, while the stand-in may serve.
+        self.over_echo_db: Optional[float] = OVER_ECHO_DB  # None: off (for comparison)
+        self.over_echo_frames = 0  # frames whose microphone went to the VAD in place of the stand-in's output
+        self._oe_smear = np.zeros(N_BANDS)  # the far end's bands, smeared by the room's decay
+        self._oe_smeared: list[np.ndarray] = []  # ... per frame, the newest OVER_ECHO_DELAY_FRAMES[1]
+        self._oe_in: list[np.ndarray] = []  # per frame: the microphone's bands and the predicted echo's (unscaled)
+        self._oe_pred: list[np.ndarray] = []
+        self._oe_lt_in: list[np.ndarray] = []  # ... over far-active frames (the echo path's gain, as the floors)
+        self._oe_lt_pred: list[np.ndarray] = []
+        self._oe_quiet: list[np.ndarray] = []  # the microphone's bands of the last OVER_ECHO_NOISE_FRAMES banded frames
+        self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
+        self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before (kept 64)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -394,6 +411,8 @@ class EchoCanceller:
                 self._far_frames += 1
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
+            if self._stand_in_ready and self.over_echo_db is not None:
+                self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, idle)
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
             if far_silent:
@@ -417,6 +436,9 @@ class EchoCanceller:
             self._restart_pending = False
             out = self._stand_in.process(self._near[:need], self._far[:need])
             self.stand_in_frames += n
+            for i in np.flatnonzero(self._oe_pass[-n:]) if len(self._oe_pass) >= n else ():
+                out[i * FRAME:(i + 1) * FRAME] = self._near[i * FRAME:(i + 1) * FRAME]  # the user: see over_echo
+                self.over_echo_frames += 1
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -592,6 +614,39 @@ class EchoCanceller:
             except UserError:
                 self._stand_in_ready = False  # no livekit: cold windows are refused by the onset gate
 
+    def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, idle: bool) -> None:
+        """One frame of :meth:`over_echo`'s bookkeeping (``b_in``, ``b_far``: the frame's band energies,
+        float64 [N_BANDS]; ``far_active``: the far end played in it; ``idle``: its bands were not computed)."""
+        lo, hi = OVER_ECHO_DELAY_FRAMES
+        self._oe_smear = np.maximum(b_far, self._oe_smear * 10 ** (-OVER_ECHO_DECAY_DB / 10))
+        self._oe_smeared.append(self._oe_smear)
+        del self._oe_smeared[:-hi]
+        pred = np.max(self._oe_smeared[:-lo], axis=0) if len(self._oe_smeared) > lo else np.zeros(N_BANDS)
+        self._oe_in.append(b_in)
+        self._oe_pred.append(pred)
+        del self._oe_in[:-3], self._oe_pred[:-3]
+        if far_active:
+            self._oe_lt_in.append(b_in)
+            self._oe_lt_pred.append(pred)
+            del self._oe_lt_in[:-LT_FRAMES], self._oe_lt_pred[:-LT_FRAMES]
+        if not idle:
+            self._oe_quiet.append(b_in)
+            del self._oe_quiet[:-OVER_ECHO_NOISE_FRAMES]
+        over = False
+        if len(self._oe_lt_in) - FLOOR_LAG_FRAMES >= LT_FRAMES // 4 and len(self._oe_in) == 3:
+            gain = np.sum(self._oe_lt_in[:-FLOOR_LAG_FRAMES], axis=0) / (np.sum(self._oe_lt_pred[:-FLOOR_LAG_FRAMES], axis=0) + 1e-12)
+            noise = np.percentile(self._oe_quiet, 5, axis=0)
+            echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
+            over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (self.over_echo_db / 10) * (echo + 1e-10)))
+        self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
+        self._oe_frame.append(over)
+        del self._oe_frame[:-2], self._oe_pass[:-64]
+
+    def over_echo(self, frames: int = 2) -> bool:
+        """While the stand-in serves: the microphone, in some band, is more than ``over_echo_db`` above the echo
+        that the far end predicts there, in two consecutive 10 ms frames, within the newest ``frames`` frames."""
+        return any(self._oe_pass[-frames:])
+
     def _stand_in_fed(self) -> bool:
         """Whether the stand-in processes the frames now: while it is active and the far end played within
         the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
@@ -725,7 +780,7 @@ class EchoCanceller:
           under the echo 0.4 s into the next reply was heard 706 ms late (measured here, the full bench).
         """
         if self.stand_in_active and self._stand_in.frames:
-            return self._stand_in.near_end_present(n)
+            return self._stand_in.near_end_present(n) or self.over_echo()
         t = self._band_tests(n)
         if t is None:
             return True
