@@ -122,10 +122,16 @@ BYPASS_AFTER_FRAMES = 300  # ... and none before Speex has processed this many f
 #   preprocessor's noise estimate learns the room first, so a cold start (the question often comes within the first
 #   seconds, and the first reply after it is the one most at risk of pausing itself) runs exactly as with no bypass
 OVER_ECHO_DB = 15.0  # the stand-in's bypass (EchoCanceller.over_echo): a band of the microphone this far above the echo
-#   the far end predicts (and the room's noise), in two consecutive 10 ms frames, is the user's, not our echo
+#   the far end predicts (and the room's noise), in two consecutive 10 ms frames, is the user's, not our echo ...
+OVER_ECHO_HB_EXTRA_DB = 10.0  # ... and this much further in the high band (>= HB_HZ), where a clipping speaker's
+#   harmonics sit over a far end that has little there: echo alone reached 17 dB over the prediction
 OVER_ECHO_DELAY_FRAMES = (2, 6)  # ... the echo predicted from the far end 20-50 ms earlier (the loudest of them) ...
 OVER_ECHO_DECAY_DB = 4.0  # ... smeared by the room's decay, dB per 10 ms frame (RT60 150 ms) ...
-OVER_ECHO_NOISE_FRAMES = 300  # ... plus the room's noise: the 5th percentile of the microphone's bands over these frames
+OVER_ECHO_NOISE_FRAMES = 300  # ... plus the room's noise: the 5th percentile of the microphone's bands over these frames,
+OVER_ECHO_FLOOR_DB = -30.0  # ... or this far under the band's usual level while the far end plays, if that is more
+OVER_ECHO_SUPPRESSED_DB = 20.0  # ... and only in a frame that AEC3 took at least this much of (its suppressor at work)
+OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end back after RESTART_SILENCE_S) ...
+OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
 
@@ -311,7 +317,8 @@ class EchoCanceller:
         self._oe_lt_pred: list[np.ndarray] = []
         self._oe_quiet: list[np.ndarray] = []  # the microphone's bands of the last OVER_ECHO_NOISE_FRAMES banded frames
         self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
-        self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before (kept 64)
+        self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before, and served (kept 64)
+        self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -360,6 +367,7 @@ class EchoCanceller:
                 self._restart_aec3()
             else:
                 self._restart_pending = True  # the stand-in's, when it is next fed (its far end may be too quiet now)
+            self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
         t0 = time.perf_counter()
         if bypass:
             out[:] = self._near[:need]
@@ -396,6 +404,15 @@ class EchoCanceller:
         # While nothing plays the far end is digital silence: its bands are zero without an FFT.
         b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else _band_energies(far))
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
+        oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
+        if b_far is not None and self._stand_in_ready and self.over_echo_db is not None:
+            if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
+                self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
+                self._oe_smear = np.zeros(N_BANDS)
+                self._oe_pass += [False] * n
+                del self._oe_pass[:-64]
+            else:
+                oe_stats = self._over_echo_stats()
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
@@ -411,8 +428,8 @@ class EchoCanceller:
                 self._far_frames += 1
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
-            if self._stand_in_ready and self.over_echo_db is not None:
-                self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, idle)
+            if oe_stats is not None:
+                self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
             if far_silent:
@@ -437,8 +454,12 @@ class EchoCanceller:
             out = self._stand_in.process(self._near[:need], self._far[:need])
             self.stand_in_frames += n
             for i in np.flatnonzero(self._oe_pass[-n:]) if len(self._oe_pass) >= n else ():
-                out[i * FRAME:(i + 1) * FRAME] = self._near[i * FRAME:(i + 1) * FRAME]  # the user: see over_echo
-                self.over_echo_frames += 1
+                sl = slice(i * FRAME, (i + 1) * FRAME)
+                if float(np.dot(out[sl], out[sl])) <= float(e_in[i]) * 10 ** (-OVER_ECHO_SUPPRESSED_DB / 10):
+                    out[sl] = self._near[sl]  # the user, held back by AEC3's suppressor: see over_echo
+                    self.over_echo_frames += 1
+                else:
+                    self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -614,9 +635,22 @@ class EchoCanceller:
             except UserError:
                 self._stand_in_ready = False  # no livekit: cold windows are refused by the onset gate
 
-    def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, idle: bool) -> None:
+    def _over_echo_stats(self) -> tuple:
+        """(the echo path's gain per band: the microphone's energy over the predicted echo's, summed over the
+        far-active frames kept but the newest ``FLOOR_LAG_FRAMES``, as the floors; the room's noise per band:
+        the 5th percentile of the microphone's band energy over the frames kept), float64 [N_BANDS] each,
+        or (None, None) before ``LT_FRAMES // 4`` such frames."""
+        if len(self._oe_lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
+            return None, None
+        kept = self._oe_lt_in[:-FLOOR_LAG_FRAMES]
+        mic = np.sum(kept, axis=0)
+        gain = mic / (np.sum(self._oe_lt_pred[:-FLOOR_LAG_FRAMES], axis=0) + 1e-12)
+        quiet = np.maximum(np.percentile(self._oe_quiet, 5, axis=0), mic / len(kept) * 10 ** (OVER_ECHO_FLOOR_DB / 10))
+        return gain, quiet
+
+    def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, stats: tuple) -> None:
         """One frame of :meth:`over_echo`'s bookkeeping (``b_in``, ``b_far``: the frame's band energies,
-        float64 [N_BANDS]; ``far_active``: the far end played in it; ``idle``: its bands were not computed)."""
+        float64 [N_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`)."""
         lo, hi = OVER_ECHO_DELAY_FRAMES
         self._oe_smear = np.maximum(b_far, self._oe_smear * 10 ** (-OVER_ECHO_DECAY_DB / 10))
         self._oe_smeared.append(self._oe_smear)
@@ -626,18 +660,21 @@ class EchoCanceller:
         self._oe_pred.append(pred)
         del self._oe_in[:-3], self._oe_pred[:-3]
         if far_active:
+            self._oe_reply_frames += 1
             self._oe_lt_in.append(b_in)
             self._oe_lt_pred.append(pred)
             del self._oe_lt_in[:-LT_FRAMES], self._oe_lt_pred[:-LT_FRAMES]
-        if not idle:
-            self._oe_quiet.append(b_in)
-            del self._oe_quiet[:-OVER_ECHO_NOISE_FRAMES]
+        self._oe_quiet.append(b_in)
+        del self._oe_quiet[:-OVER_ECHO_NOISE_FRAMES]
         over = False
-        if len(self._oe_lt_in) - FLOOR_LAG_FRAMES >= LT_FRAMES // 4 and len(self._oe_in) == 3:
-            gain = np.sum(self._oe_lt_in[:-FLOOR_LAG_FRAMES], axis=0) / (np.sum(self._oe_lt_pred[:-FLOOR_LAG_FRAMES], axis=0) + 1e-12)
-            noise = np.percentile(self._oe_quiet, 5, axis=0)
+        gain, noise = stats
+        if gain is not None and len(self._oe_in) == 3:
             echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
-            over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (self.over_echo_db / 10) * (echo + 1e-10)))
+            margin = np.full(N_BANDS, self.over_echo_db)
+            margin[-1] += OVER_ECHO_HB_EXTRA_DB
+            if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
+                margin += OVER_ECHO_NEW_DB
+            over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
         self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
         self._oe_frame.append(over)
         del self._oe_frame[:-2], self._oe_pass[:-64]
