@@ -374,8 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--echo-only", type=int, default=0, metavar="N",
                     help="--room jack: only N echo-only replies at 0 dB and N at +6 dB, every pause counted")
     sp.add_argument("--jack-rate", type=int, default=48000, help="--room jack: the JACK server's rate, Hz")
-    sp.add_argument("--jack-period", type=int, default=512,
-                    help="--room jack: frames per JACK period (512 at 48 kHz: 10.7 ms, as a Pi's ALSA with 10 ms blocks)")
+    sp.add_argument("--jack-period", type=int, default=1024, help="--room jack: frames per JACK period")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
 
