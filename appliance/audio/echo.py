@@ -61,6 +61,23 @@ estimate), feeding AEC3 through the silences (22.2 dB), and a far end delayed by
 cross-correlation measured it causally, 0.3-0.5 s windows (21.4-26.9 dB: a reply's new delay is known only
 from its echo; the same with the change known in advance: 49.0 dB).
 
+The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
+never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
+user's first 100-250 ms (measured here, the 48 kHz JACK room, the service's own streams replayed offline: Silero
+scored AEC3's output 0.02-0.1 over "Hold on." while Speex's output scored it 0.85 at 40 ms; Speex's output was no
+evidence either, its residual scored as speech all through the replies). So the far end itself predicts the
+echo: per band, the far end's energy smeared by the room's decay and delayed 20-50 ms, times the echo path's gain
+measured as the floors are (the microphone over the prediction, last 2 s of far end), plus the room's noise. A
+band more than ``OVER_ECHO_DB`` over it (the high band ``OVER_ECHO_HB_EXTRA_DB`` more) in two frames running is
+the user's: where AEC3 took ``OVER_ECHO_SUPPRESSED_DB`` or more of such a frame, the microphone goes to the VAD
+in its place, and the onset gate passes. Measured here, offline, on 17 barge-ins of one JACK run (+300 ppm,
+clip): onset -> the window that fired p50 / p95 / max 60 / 212 / 248 ms -> 60 / 111 / 139 ms; on 18 recorded
+runs' streams with 200+ echo-only replies (0 and +300 ppm), the same echo onsets as without it (see
+docs/measurements.md). Tried and not kept: Silero on Speex's output (86+ echo windows passed at any setting fast
+enough), the microphone served for 250 ms after a pass (6 echo onsets in 29 replies instead of 1), a slower decay
+(RT60 400 ms: p95 139 ms). Questionable: the decay is the bench room's (RT60 150 ms); a longer room's tail is
+predicted short.
+
 Measured here (x86_64, 2 cores, linear echo path, Piper speech as far end): see ``appliance bench
 interruption`` (``erle_db``) and ``tests/test_echo.py``.
 
@@ -126,6 +143,17 @@ BYPASS_REWARM_FRAMES = 20  # the bypassed frames Speex processes when it is need
 BYPASS_AFTER_FRAMES = 300  # ... and none before Speex has processed this many frames (3 s) since it was built: its
 #   preprocessor's noise estimate learns the room first, so a cold start (the question often comes within the first
 #   seconds, and the first reply after it is the one most at risk of pausing itself) runs exactly as with no bypass
+OVER_ECHO_DB = 15.0  # the stand-in's bypass (EchoCanceller.over_echo): a band of the microphone this far above the echo
+#   the far end predicts (and the room's noise), in two consecutive 10 ms frames, is the user's, not our echo ...
+OVER_ECHO_HB_EXTRA_DB = 10.0  # ... and this much further in the high band (>= HB_HZ), where a clipping speaker's
+#   harmonics sit over a far end that has little there: echo alone reached 17 dB over the prediction
+OVER_ECHO_DELAY_FRAMES = (2, 6)  # ... the echo predicted from the far end 20-50 ms earlier (the loudest of them) ...
+OVER_ECHO_DECAY_DB = 4.0  # ... smeared by the room's decay, dB per 10 ms frame (RT60 150 ms) ...
+OVER_ECHO_NOISE_FRAMES = 300  # ... plus the room's noise: the 5th percentile of the microphone's bands over these frames,
+OVER_ECHO_FLOOR_DB = -30.0  # ... or this far under the band's usual level while the far end plays, if that is more
+OVER_ECHO_SUPPRESSED_DB = 20.0  # ... and only in a frame that AEC3 took at least this much of (its suppressor at work)
+OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end back after RESTART_SILENCE_S) ...
+OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
 
@@ -218,6 +246,8 @@ class EchoCanceller:
     :param restart_after_silence_s: WebRTC AEC3 (the ``webrtc`` backend, or Speex's stand-in) starts afresh,
         state and all, when the far end returns after at least this many seconds of digital silence (None:
         never; for comparison). Why: see :meth:`_restart_due`.
+    :param over_echo_db: the stand-in's bypass (:meth:`over_echo`): how far a microphone band must stand over
+        the echo the far end predicts, dB (None: off; for comparison).
     :raises UserError: an unknown backend or its package is missing.
 
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
@@ -229,7 +259,8 @@ class EchoCanceller:
     def __init__(self, backend: str = "webrtc", noise_suppression: bool = False, high_pass_filter: bool = True,
                  tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0, stand_in: bool = True,
                  skip_idle_bands: bool = True, bypass_idle: bool = True,
-                 restart_after_silence_s: Optional[float] = RESTART_SILENCE_S):
+                 restart_after_silence_s: Optional[float] = RESTART_SILENCE_S,
+                 over_echo_db: Optional[float] = OVER_ECHO_DB):
         self._webrtc_args = (noise_suppression, high_pass_filter)
         if backend == "webrtc":
             self._impl = _WebRtcAec3(noise_suppression, high_pass_filter)
@@ -300,6 +331,19 @@ class EchoCanceller:
         self._restart_frames = int(round(restart_after_silence_s * MODEL_RATE / FRAME)) if restart_after_silence_s else 0
         self.restarts = 0  # AEC3 restarts after a silence (see _restart_due)
         self._restart_pending = False  # a restart of the stand-in is due when it is next fed
+        # The stand-in's bypass (over_echo): the echo the far end predicts, band by band, while the stand-in may serve.
+        self.over_echo_db = over_echo_db
+        self.over_echo_frames = 0  # frames whose microphone went to the VAD in place of the stand-in's output
+        self._oe_smear = np.zeros(N_BANDS)  # the far end's bands, smeared by the room's decay
+        self._oe_smeared: list[np.ndarray] = []  # ... per frame, the newest OVER_ECHO_DELAY_FRAMES[1]
+        self._oe_in: list[np.ndarray] = []  # per frame: the microphone's bands and the predicted echo's (unscaled)
+        self._oe_pred: list[np.ndarray] = []
+        self._oe_lt_in: list[np.ndarray] = []  # ... over far-active frames (the echo path's gain, as the floors)
+        self._oe_lt_pred: list[np.ndarray] = []
+        self._oe_quiet: list[np.ndarray] = []  # the microphone's bands of the last OVER_ECHO_NOISE_FRAMES banded frames
+        self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
+        self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before, and served (kept 64)
+        self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -348,6 +392,7 @@ class EchoCanceller:
                 self._restart_aec3()
             else:
                 self._restart_pending = True  # the stand-in's, when it is next fed (its far end may be too quiet now)
+            self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
         t0 = time.perf_counter()
         if bypass:
             out[:] = self._near[:need]
@@ -384,6 +429,15 @@ class EchoCanceller:
         # While nothing plays the far end is digital silence: its bands are zero without an FFT.
         b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else _band_energies(far))
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
+        oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
+        if b_far is not None and self._stand_in_ready and self.over_echo_db is not None:
+            if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
+                self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
+                self._oe_smear = np.zeros(N_BANDS)
+                self._oe_pass += [False] * n
+                del self._oe_pass[:-64]
+            else:
+                oe_stats = self._over_echo_stats()
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
@@ -399,6 +453,8 @@ class EchoCanceller:
                 self._far_frames += 1
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
+            if oe_stats is not None:
+                self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
             if far_silent:
@@ -422,6 +478,13 @@ class EchoCanceller:
             self._restart_pending = False
             out = self._stand_in.process(self._near[:need], self._far[:need])
             self.stand_in_frames += n
+            for i in np.flatnonzero(self._oe_pass[-n:]) if len(self._oe_pass) >= n else ():
+                sl = slice(i * FRAME, (i + 1) * FRAME)
+                if float(np.dot(out[sl], out[sl])) <= float(e_in[i]) * 10 ** (-OVER_ECHO_SUPPRESSED_DB / 10):
+                    out[sl] = self._near[sl]  # the user, held back by AEC3's suppressor: see over_echo
+                    self.over_echo_frames += 1
+                else:
+                    self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -597,6 +660,55 @@ class EchoCanceller:
             except UserError:
                 self._stand_in_ready = False  # no livekit: cold windows are refused by the onset gate
 
+    def _over_echo_stats(self) -> tuple:
+        """(the echo path's gain per band: the microphone's energy over the predicted echo's, summed over the
+        far-active frames kept but the newest ``FLOOR_LAG_FRAMES``, as the floors; the room's noise per band:
+        the 5th percentile of the microphone's band energy over the frames kept), float64 [N_BANDS] each,
+        or (None, None) before ``LT_FRAMES // 4`` such frames."""
+        if len(self._oe_lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
+            return None, None
+        kept = self._oe_lt_in[:-FLOOR_LAG_FRAMES]
+        mic = np.sum(kept, axis=0)
+        gain = mic / (np.sum(self._oe_lt_pred[:-FLOOR_LAG_FRAMES], axis=0) + 1e-12)
+        quiet = np.maximum(np.percentile(self._oe_quiet, 5, axis=0), mic / len(kept) * 10 ** (OVER_ECHO_FLOOR_DB / 10))
+        return gain, quiet
+
+    def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, stats: tuple) -> None:
+        """One frame of :meth:`over_echo`'s bookkeeping (``b_in``, ``b_far``: the frame's band energies,
+        float64 [N_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`)."""
+        lo, hi = OVER_ECHO_DELAY_FRAMES
+        self._oe_smear = np.maximum(b_far, self._oe_smear * 10 ** (-OVER_ECHO_DECAY_DB / 10))
+        self._oe_smeared.append(self._oe_smear)
+        del self._oe_smeared[:-hi]
+        pred = np.max(self._oe_smeared[:-lo], axis=0) if len(self._oe_smeared) > lo else np.zeros(N_BANDS)
+        self._oe_in.append(b_in)
+        self._oe_pred.append(pred)
+        del self._oe_in[:-3], self._oe_pred[:-3]
+        if far_active:
+            self._oe_reply_frames += 1
+            self._oe_lt_in.append(b_in)
+            self._oe_lt_pred.append(pred)
+            del self._oe_lt_in[:-LT_FRAMES], self._oe_lt_pred[:-LT_FRAMES]
+        self._oe_quiet.append(b_in)
+        del self._oe_quiet[:-OVER_ECHO_NOISE_FRAMES]
+        over = False
+        gain, noise = stats
+        if gain is not None and len(self._oe_in) == 3:
+            echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
+            margin = np.full(N_BANDS, self.over_echo_db)
+            margin[-1] += OVER_ECHO_HB_EXTRA_DB
+            if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
+                margin += OVER_ECHO_NEW_DB
+            over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
+        self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
+        self._oe_frame.append(over)
+        del self._oe_frame[:-2], self._oe_pass[:-64]
+
+    def over_echo(self, frames: int = 2) -> bool:
+        """While the stand-in serves: the microphone, in some band, is more than ``over_echo_db`` above the echo
+        that the far end predicts there, in two consecutive 10 ms frames, within the newest ``frames`` frames."""
+        return any(self._oe_pass[-frames:])
+
     def _stand_in_fed(self) -> bool:
         """Whether the stand-in processes the frames now: while it is active and the far end played within
         the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
@@ -732,7 +844,7 @@ class EchoCanceller:
           under the echo 0.4 s into the next reply was heard 706 ms late (measured here, the full bench).
         """
         if self.stand_in_active and self._stand_in.frames:
-            return self._stand_in.near_end_present(n)
+            return self._stand_in.near_end_present(n) or self.over_echo()
         t = self._band_tests(n)
         if t is None:
             return True

@@ -5,7 +5,15 @@ How it runs:
 
 1. A JACK server of its own: ``jackd -n appliance-room<rate> --no-realtime -d dummy -r RATE -p PERIOD``
    (a dummy driver: no sound card, callbacks paced in real time), started unless one of that name is
-   up, and stopped at the end if started here. The shared default server is never touched.
+   up, and stopped at the end if started here. The shared default server is never touched. The period
+   (``--jack-period``, 1024 frames by default) sets the output's latency: the fade and two periods, 8 + 2 x 21.3
+   = 51 ms at 1024; 512 frames (10.7 ms, what the worker gets from a Pi's ALSA with its 10 ms blocks) gives
+   8 + 2 x 10.7 = 29 ms (*projected* on a Pi: 8 + 2 x 10 = 28 ms; measured here 17.5-29.1 ms, 0 room underruns
+   in 6 runs). Why the default stays 1024 (measured here, +300 ppm, clipping speaker): in both runs at 512 with
+   the machine otherwise idle, Speex took over from the AEC3 stand-in within the first replies and then let
+   the echo through (ERLE 4-29 dB a reply, 12 of 12 echo-only replies paused), which none of this session's 4
+   runs at 1024 showed (session 10 saw it once at 1024). A Pi would meet the same, so 512 is the period to use
+   once the hand-over holds at +300 ppm (docs/measurements.md, session 11).
 2. The room: a JACK client on it (``--drift-ppm``, ``--speaker clip|linear``), echo path as the simulated
    room's (30 ms, RT60 150 ms synthetic IR), user speech from the simulated bench's cache.
 3. The service: ``python -m appliance -v run --config <generated>`` as a subprocess, its
