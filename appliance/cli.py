@@ -44,7 +44,8 @@ def _default_config(embedded_ok: bool = True) -> Path:
     for path in (DEFAULT_CONFIG_PATH, Path("config.yaml")):
         if path.exists():
             return path
-    ways = "give --config FILE, or --embedded for the built-in defaults" if embedded_ok else "give the file"
+    ways = ("give --config FILE, or --embedded for the built-in defaults" if embedded_ok
+            else "name the file: `appliance check-config FILE`")
     raise UserError(f"no config file: neither {DEFAULT_CONFIG_PATH} nor ./config.yaml exists; {ways}")
 
 

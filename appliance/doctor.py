@@ -194,8 +194,15 @@ class Doctor:
         except UserError:
             self.cfg = embedded_config(Config()) if self.embedded else Config()
             if not path.exists():
-                return Check("config", FAIL, f"{path}: not found (the other checks use the defaults)",
-                             f"restore the factory config: sudo cp /usr/share/appliance/config.yaml.default {path}")
+                factory = Path("/usr/share/appliance/config.yaml.default")  # the image's copy (build-image.sh)
+                if self.explicit_config:
+                    fix = "check the path given to --config"
+                elif factory.exists():
+                    fix = f"restore the factory config: sudo cp {factory} {DEFAULT_CONFIG_PATH}"
+                else:
+                    fix = (f"give one with --config FILE (neither {DEFAULT_CONFIG_PATH} nor ./config.yaml exists), "
+                           "or --embedded for the built-in defaults")
+                return Check("config", FAIL, f"{path}: not found (the other checks use the defaults)", fix)
             return Check("config", FAIL, f"{path}: not readable (the other checks use the defaults)",
                          f"sudo chmod a+r {path}")
 

@@ -337,7 +337,8 @@ def test_no_config_anywhere_names_both_places(tmp_path, argv):
     if Path("/etc/appliance/config.yaml").exists():
         pytest.skip("this machine has the appliance's config")
     r = appliance(*argv, cwd=tmp_path)
-    one_line_error(r, "/etc/appliance/config.yaml", "./config.yaml")
+    line = one_line_error(r, "/etc/appliance/config.yaml", "./config.yaml")
+    assert "check-config FILE" in line if argv[0] == "check-config" else "--config FILE" in line
 
 
 def test_a_reader_that_goes_away_is_no_traceback():

@@ -266,3 +266,17 @@ def test_bad_config_still_checks_the_rest(tmp_path):
                                        "(the other checks use the defaults)")
     assert got["config"]["fix"] == f"edit {cfg}, then `appliance check-config {cfg}`"
     assert got["vad"]["status"] == PASS and got["model"]["status"] == FAIL
+
+
+def test_a_missing_config_gets_a_fix_that_applies_here(tmp_path):
+    """Off the image, doctor told the fresh user to copy /usr/share/appliance/config.yaml.default, which only the
+    image has, to ./config.yaml; given --config, the fix is that path."""
+    r, _ = run_doctor("--config", str(tmp_path / "nope.yaml"), "--json")
+    got = rows(r.stdout)
+    assert got["config"]["status"] == FAIL and got["config"]["fix"] == "check the path given to --config"
+    if Path("/usr/share/appliance/config.yaml.default").exists() or Path("/etc/appliance/config.yaml").exists():
+        pytest.skip("this machine has the image's config files")
+    r = subprocess.run([sys.executable, "-m", "appliance", "doctor", "--json"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env=no_sound_env())
+    fix = rows(r.stdout)["config"]["fix"]
+    assert "--config FILE" in fix and "/usr/share" not in fix, fix

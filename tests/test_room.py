@@ -108,7 +108,8 @@ def test_scenario_numbers_yaml_reads_as_text_and_a_misspelt_events_key(tmp_path)
     sc = Scenario.load(p)
     assert sc.events[0].at == 0.5 and sc.room.echo_delay_ms == 30.0
     p.write_text("evnts:\n  - at: 0.5\n    say: q.wav\n")
-    with pytest.raises(UserError, match=re.escape("unknown top-level key(s) ['evnts']")):
+    # with its line and the key it is close to, as the events' and the room's keys are named
+    with pytest.raises(UserError, match=re.escape("line 1: unknown top-level key(s) ['evnts'] (did you mean 'events'?)")):
         Scenario.load(p)
 
 

@@ -214,7 +214,11 @@ class Scenario:
             raise UserError(f"{path}: line {line}: duplicate key {key} (also at line {first}); keep one")
         unknown = set(data) - {"events", "room"} if isinstance(data, dict) else set()
         if unknown:
-            raise UserError(f"{path}: unknown top-level key(s) {sorted(unknown)}; only `events` and `room` are allowed")
+            top_lines = _key_lines(node)
+            first = min(unknown, key=lambda k: top_lines.get(str(k), 0))
+            line = f"line {top_lines[str(first)]}: " if str(first) in top_lines else ""
+            raise UserError(f"{path}: {line}unknown top-level key(s) {sorted(unknown, key=str)}"
+                            f"{_did_you_mean(unknown, ('events', 'room'))}; only `events` and `room` are allowed")
         if not isinstance(data, dict) or not data.get("events"):
             raise UserError(f"{path}: the scenario has no events; add an `events:` list with at least one `say:` entry")
         if not isinstance(data["events"], list):
