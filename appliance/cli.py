@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import __version__
-from .config import DEFAULT_CONFIG_PATH, Config, load
+from .config import DEFAULT_CONFIG_PATH, Config, default_config_path, load
 from .errors import UserError
 
 log = logging.getLogger("appliance")
@@ -37,13 +37,12 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _default_config(embedded_ok: bool = True) -> Path:
-    """The config file a command reads when none is given: /etc/appliance/config.yaml (the appliance's), else
-    ./config.yaml (a checkout's).
+    """:func:`appliance.config.default_config_path`, which must exist.
 
-    :raises UserError: neither exists (naming both places and the ways out)."""
-    for path in (DEFAULT_CONFIG_PATH, Path("config.yaml")):
-        if path.exists():
-            return path
+    :raises UserError: neither place has a config (naming both and the ways out)."""
+    path = default_config_path()
+    if path is not None:
+        return path
     ways = ("give --config FILE, or --embedded for the built-in defaults" if embedded_ok
             else "name the file: `appliance check-config FILE`")
     raise UserError(f"no config file: neither {DEFAULT_CONFIG_PATH} nor ./config.yaml exists; {ways}")
@@ -208,7 +207,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if source is None:
         # The service's metrics log, under the config's state_dir; with no config anywhere (run outside a
         # checkout on a machine that is not the appliance), the defaults' state_dir, else the journal.
-        explicit = args.config or DEFAULT_CONFIG_PATH.exists() or Path("config.yaml").exists()
+        explicit = args.config or default_config_path() is not None
         cfg = _config(args) if explicit else Config()
         path = Path(cfg.storage.state_dir) / METRICS_FILE
         source = str(path) if path.exists() else "journal"

@@ -29,6 +29,12 @@ from .errors import UserError, one_line, yaml_problem
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/config.yaml")
 
 
+def default_config_path() -> Optional[Path]:
+    """The config file a command reads when none is given: :data:`DEFAULT_CONFIG_PATH` (the appliance's), else
+    ./config.yaml (a checkout's); None when neither exists."""
+    return next((p for p in (DEFAULT_CONFIG_PATH, Path("config.yaml")) if p.exists()), None)
+
+
 # BCM GPIO numbers a config may use on a Raspberry Pi 5 header: 2..27. GPIO 0 and 1 (ID_SD/ID_SC) are
 # reserved for the HAT ID EEPROM (Raspberry Pi HAT specification), so they are refused.
 BCM_PINS = range(2, 28)

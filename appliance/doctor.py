@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load
+from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, default_config_path, load
 from .audio.files import MODEL_RATE
 from .errors import UserError
 from .gguf import KV_KEYS as _KV_KEYS
@@ -142,8 +142,7 @@ class Doctor:
 
     def __init__(self, config_path: Optional[str | Path] = None, embedded: bool = False,
                  checksums: bool = False, capture_s: float = 1.0, pin_factory=None):
-        self.config_path = Path(config_path) if config_path else (
-            DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else Path("config.yaml"))
+        self.config_path = Path(config_path) if config_path else (default_config_path() or Path("config.yaml"))
         self.explicit_config = config_path is not None
         self.embedded = embedded
         self.checksums = checksums
