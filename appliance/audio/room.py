@@ -162,6 +162,13 @@ def _key_lines(node) -> dict[str, int]:
     return {k.value: k.start_mark.line + 1 for k, _ in node.value} if isinstance(node, yaml.MappingNode) else {}
 
 
+def _line_prefix(keys, lines: dict[str, int]) -> str:
+    """``"line N: "`` for the earliest of ``keys`` in ``lines`` (:func:`_key_lines`), else ``""``: an error about
+    several unknown keys points at the first one in the file."""
+    found = [lines[str(k)] for k in keys if str(k) in lines]
+    return f"line {min(found)}: " if found else ""
+
+
 def _item_lines(node, key: str) -> list[tuple[int, dict[str, int]]]:
     """For each item of the top-level list ``key`` in a composed YAML mapping node: its 1-based line and its
     keys' lines (:func:`_key_lines`), so that an error names the line of the key at fault, else of the event;
@@ -214,10 +221,7 @@ class Scenario:
             raise UserError(f"{path}: line {line}: duplicate key {key} (also at line {first}); keep one")
         unknown = set(data) - {"events", "room"} if isinstance(data, dict) else set()
         if unknown:
-            top_lines = _key_lines(node)
-            first = min(unknown, key=lambda k: top_lines.get(str(k), 0))
-            line = f"line {top_lines[str(first)]}: " if str(first) in top_lines else ""
-            raise UserError(f"{path}: {line}unknown top-level key(s) {sorted(unknown, key=str)}"
+            raise UserError(f"{path}: {_line_prefix(unknown, _key_lines(node))}unknown top-level key(s) {sorted(unknown, key=str)}"
                             f"{_did_you_mean(unknown, ('events', 'room'))}; only `events` and `room` are allowed")
         if not isinstance(data, dict) or not data.get("events"):
             raise UserError(f"{path}: the scenario has no events; add an `events:` list with at least one `say:` entry")
@@ -277,8 +281,7 @@ class Scenario:
         line_of = lambda k: f"line {room_lines[k]}: " if k in room_lines else ""  # noqa: E731
         extra = set(r) - set(allowed)
         if extra:
-            first = min(extra, key=lambda k: room_lines.get(k, 0))
-            raise UserError(f"{path}: {line_of(first)}room: unknown key(s) {sorted(extra)}"
+            raise UserError(f"{path}: {_line_prefix(extra, room_lines)}room: unknown key(s) {sorted(extra)}"
                             f"{_did_you_mean(extra, allowed)}; allowed: {', '.join(allowed)}")
         r = dict(r)
         for key in ("echo_gain_db", "echo_delay_ms", "noise_gain_db", "rt60_ms"):
