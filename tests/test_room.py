@@ -132,3 +132,23 @@ def test_a_misspelt_scenario_key_names_its_line_and_the_key_meant(tmp_path):
     p.write_text("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  echo_gian_db: 0\n")
     with pytest.raises(UserError, match=re.escape("room: unknown key(s) ['echo_gian_db'] (did you mean 'echo_gain_db'?)")):
         Scenario.load(p)
+
+
+def test_a_missing_room_file_names_the_scenario_its_line_and_key(tmp_path):
+    """The fresh user's missing ``room.impulse_response`` named only the WAV it looked for (session 12); a
+    missing ``say:`` file named the scenario, its line and the event. Both now do, and only they say that
+    relative paths start at the scenario's folder (a WAV given to ``replay`` itself is no scenario)."""
+    (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
+    p = tmp_path / "a.yaml"
+    p.write_text("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  echo_gain_db: 0\n  impulse_response: ir.wav\n")
+    with pytest.raises(UserError, match=re.escape(f"{p}: line 6: room.impulse_response: {tmp_path / 'ir.wav'}: "
+                                                  "audio file not found; check the path (relative paths in a "
+                                                  "scenario are relative to the scenario file)")):
+        Scenario.load(p)
+    p.write_text("events:\n  - at: 0.5\n    say: q.wav\nroom:\n  noise: hum.wav\n")
+    with pytest.raises(UserError, match=re.escape(f"{p}: line 5: room.noise: {tmp_path / 'hum.wav'}: audio file")):
+        Scenario.load(p)
+    from appliance.audio.files import load_audio
+    with pytest.raises(UserError) as exc:
+        load_audio(tmp_path / "nosuch.wav")
+    assert "scenario" not in str(exc.value)

@@ -43,7 +43,7 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE, max_seconds: float = MA
         raise UserError(f"{path}: is not a regular file (a FIFO, socket or device); save the audio to a file "
                         "(WAV, FLAC or OGG) and give that")
     if not path.is_file():
-        raise UserError(f"{path}: audio file not found; check the path (relative paths in a scenario are relative to the scenario file)")
+        raise UserError(f"{path}: audio file not found; check the path")
     if path.stat().st_size == 0:
         raise UserError(f"{path}: the file is empty (0 bytes); record or generate some speech into it")
     try:

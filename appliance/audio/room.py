@@ -162,6 +162,19 @@ def _key_lines(node) -> dict[str, int]:
     return {k.value: k.start_mark.line + 1 for k, _ in node.value} if isinstance(node, yaml.MappingNode) else {}
 
 
+def _scenario_audio(path: Path, where: str) -> np.ndarray:
+    """:func:`load_audio` for a file a scenario names: its error is prefixed with ``where`` (the scenario
+    file, line and key) and, for a missing file, says relative paths start at the scenario's folder.
+
+    :raises UserError: one line, as :func:`load_audio`'s.
+    """
+    try:
+        return load_audio(path)
+    except UserError as exc:
+        hint = " (relative paths in a scenario are relative to the scenario file)" if "not found" in str(exc) else ""
+        raise UserError(f"{where}: {exc}{hint}") from None
+
+
 def _line_prefix(keys, lines: dict[str, int]) -> str:
     """``"line N: "`` for the earliest of ``keys`` in ``lines`` (:func:`_key_lines`), else ``""``: an error about
     several unknown keys points at the first one in the file."""
@@ -264,10 +277,7 @@ class Scenario:
             text = ev.get("text")
             if text is not None and not isinstance(text, str):
                 raise UserError(f"{at('text')}: `text` must be a string (the transcript)")
-            try:
-                audio = load_audio(base / ev["say"])
-            except UserError as exc:
-                raise UserError(f"{at('say')}: {exc}") from None
+            audio = _scenario_audio(base / ev["say"], at('say'))
             events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
                                             delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0)),
                                             speech=speech))
@@ -291,14 +301,15 @@ class Scenario:
             room.echo_gain_db = float(r["echo_gain_db"])
         room.echo_delay_ms = float(r.get("echo_delay_ms", 30.0))
         if r.get("noise"):
-            room.noise = load_audio(base / str(r["noise"]))
+            room.noise = _scenario_audio(base / str(r["noise"]), f"{path}: {line_of('noise')}room.noise")
         room.noise_gain_db = float(r.get("noise_gain_db", -30.0))
         if "rt60_ms" in r and "impulse_response" in r:
             raise UserError(f"{path}: room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
         if "rt60_ms" in r:
             room.impulse_response = synthetic_ir(float(r["rt60_ms"]))
         elif r.get("impulse_response"):
-            ir = load_audio(base / str(r["impulse_response"]))
+            ir = _scenario_audio(base / str(r["impulse_response"]),
+                                 f"{path}: {line_of('impulse_response')}room.impulse_response")
             energy = float(np.sum(ir.astype(np.float64) ** 2))
             if energy <= 0:
                 raise UserError(f"{path}: room.impulse_response is silent; give a recorded room impulse response")
