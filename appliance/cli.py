@@ -73,8 +73,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{out}: cannot create the output directory ({exc.strerror}); give a writable --out DIR") from None
+    # on a terminal, say what the first seconds are spent on (run does, under systemd too); piped or --quiet,
+    # stderr stays for the one-line errors
+    from contextlib import nullcontext
+
+    from .progress import Progress
+    loading = (Progress(f"loading {Path(cfg.model.gguf).name}, the VAD and the voice")
+               if sys.stderr.isatty() and not args.quiet else nullcontext())
     try:
-        parts = Parts.load(cfg, persist=False)  # a replay is a simulation: it leaves the real history alone
+        with loading:
+            parts = Parts.load(cfg, persist=False)  # a replay is a simulation: it leaves the real history alone
     except BaseException:
         if created and not any(out.iterdir()):
             out.rmdir()  # a failed start leaves no empty output directory behind
@@ -82,8 +90,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for name in REPLAY_OUTPUTS:  # a replay into a used directory replaces the previous one's files, never mixes them
         (out / name).unlink(missing_ok=True)
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
-    report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines,
-                    transcript=args.transcript, scenario=scenario)
+    try:
+        report = replay(args.input, args.out, parts, cfg, paced=not args.fast, print_line=lines,
+                        transcript=args.transcript, scenario=scenario)
+    except KeyboardInterrupt:
+        kept = [str(out / n) for n in ("timeline.jsonl", "reply.wav") if (out / n).exists()]
+        print(f"replay stopped (Ctrl-C): {' and '.join(kept) or 'nothing'} kept up to then; no report.json",
+              file=sys.stderr)
+        return 130
     print(f"reply:    {out / 'reply.wav'}")
     print(f"timeline: {out / 'timeline.jsonl'}")
     print(f"report:   {out / 'report.json'}")
@@ -98,6 +112,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if 0 < b["output_silent_ms"] < b["detected_ms"]:
             silent += " (a pause of the reply itself, before the detection)"
         print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, {silent}")
+    for p in report["self_pauses"]:
+        ended = ("flushed" if p["flushed"] else f"resumed after {p['paused_ms']} ms" if p["resumed"] else "not resumed")
+        where = f"{p['audio_t']:.2f} s" if p["audio_t"] is not None else f"{p['t']:.2f} s"
+        print(f"paused on its own voice (nobody speaking) at {where}: {ended}")
+    print(f"pauses: {len(report['barge_ins']) + len(report['self_pauses'])} ({len(report['barge_ins'])} for the "
+          f"user's speech, {len(report['self_pauses'])} on its own voice); flushes: {report['flushes']}")
     if report["timed_out"]:
         print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
     if not report["turns"] and any(e.speech for e in scenario.events):
@@ -355,13 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
                             help="use the embedded defaults (Gemma 3 270M text model and the Joe voice from PyPI); "
                                  "with --config, they replace its model, voice, gpio and history settings")
 
-    sp = sub.add_parser("run", help="the service on real sound devices")
-    common(sp)
+    sp = sub.add_parser("run", help="the service on real sound devices",
+                        description="The service: listen on audio.input, answer on audio.output, with the model "
+                                    "and voice config.yaml names (systemd runs this on the appliance).")
+    common(sp, embedded=False)
+    # the embedded model is text-only and cannot hear: not offered, but refused with the reason if given
+    sp.add_argument("--embedded", action="store_true", help=argparse.SUPPRESS)
     sp.set_defaults(func=cmd_run)
 
     sp = sub.add_parser("replay", help="run the pipeline on a WAV or scenario file in a simulated room")
     sp.add_argument("input", help="a WAV of speech or a scenario YAML")
-    sp.add_argument("--out", required=True, help="output directory for reply.wav, timeline.jsonl, report.json")
+    sp.add_argument("--out", required=True, help="output directory for reply.wav, timeline.jsonl, report.json, metrics.jsonl")
     sp.add_argument("--fast", action="store_true",
                     help="do not pace in real time: the room waits for the pipeline instead (latencies are then meaningless)")
     sp.add_argument("--transcript", help="what a WAV input says, for a text-only model that cannot hear it")
@@ -471,12 +495,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _LowerLevelFormatter(logging.Formatter):
+    """``warning: message``: a one-off command's log lines in the style of its ``error:`` lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     under_systemd = bool(os.environ.get("INVOCATION_ID") or os.environ.get("JOURNAL_STREAM"))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s" if under_systemd
-                        else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if under_systemd:  # journald adds the time
+        fmt = "%(levelname)s %(name)s: %(message)s"
+    elif args.command == "run" or args.verbose:  # a service's log, on a terminal
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    else:  # a one-off command: its warnings read as its errors do ("warning: FILE: what; the fix")
+        fmt = None
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format=fmt)
+    if fmt is None:
+        logging.getLogger().handlers[0].setFormatter(_LowerLevelFormatter())
     try:
         return args.func(args)
     except UserError as exc:

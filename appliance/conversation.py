@@ -344,7 +344,7 @@ class Conversation:
             self._barge_audio_t = info.get("audio_t")
             if self._turn:
                 self._turn.t_onset = info["t"]
-            self._emit(Ev.INTERRUPTED, t=self.clock(), onset_t=info["t"])
+            self._emit(Ev.INTERRUPTED, t=self.clock(), onset_t=info["t"], audio_t=info.get("audio_t"))
             self._set(State.INTERRUPTED)
 
     def _on_vad_start(self, info: dict) -> None:

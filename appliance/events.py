@@ -44,7 +44,7 @@ class Ev(str, enum.Enum):
     STOP_REPLY = "stop_reply"          # source: str
     NEW_CONVERSATION = "new_conversation"  # source: str
     # --- inputs: the listener (the VAD and the wake word), audio_t: s in the microphone's time
-    VAD_ONSET = "vad_onset"            # prob: float
+    VAD_ONSET = "vad_onset"            # audio_t: s (microphone time); prob: float
     VAD_START = "vad_start"            # speech_ms: float
     VAD_PROGRESS = "vad_progress"      # speech_ms: float
     VAD_REJECT = "vad_reject"          # speech_ms, audio: float32 [n] 16 kHz, transcript: str | None
@@ -62,7 +62,7 @@ class Ev(str, enum.Enum):
     WINDOW_CHECK = "window_check"      # the wake-word window's timer
     # --- outputs of the conversation
     STATE = "state"                    # state, previous: str; reason, reply_id
-    INTERRUPTED = "interrupted"        # onset_t: s (the reply paused for the user's speech)
+    INTERRUPTED = "interrupted"        # onset_t: s; audio_t: s, the onset in the microphone's time (the reply paused for speech)
     RESUMED = "resumed"                # reason, heard, transcript
     FLUSHED = "flushed"                # reason, dropped_samples, spoken, synthesized, remembered
     HELD = "held"                      # speech_ms, stop_command
@@ -74,7 +74,7 @@ class Ev(str, enum.Enum):
     # --- timeline only (the replay and the simulated room write them; never posted)
     USER_SPEECH = "user_speech"        # source, onset_t, end_t, text
     REPLAY_START = "replay_start"
-    REPLAY_END = "replay_end"
+    REPLAY_END = "replay_end"          # stopped: why, when a replay was cut short (Ctrl-C)
 
     def __str__(self) -> str:  # in logs and f-strings, the name as it is written to the timeline
         return self.value

@@ -21,7 +21,9 @@ The metrics of a turn (ms are milliseconds on the conversation clock):
 ``interrupted``                    the reply was cut by the user (barge-in that flushed it)
 ``barge_in_ms``                    VAD speech onset while speaking → output faded to silence, for
                                    the last barge-in of the turn (absent when there was none)
-``barge_ins``                      pauses for user speech during the turn (resumed ones included)
+``barge_ins``                      pauses of the reply during the turn, resumed ones included (the
+                                   service cannot tell the user's speech from its own echo taken
+                                   for it; ``appliance replay``'s report can, as ``self_pauses``)
 ``xruns``                          audio xruns (over/underflows, late output blocks) since the
                                    previous turn ended
 ``user_speech_ms``                 length of the user's turn

@@ -49,20 +49,54 @@ def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> 
     return round((int(loud[-1]) + 1) * 1000.0 / MODEL_RATE, 1) if len(loud) else 0.0
 
 
-def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
-    """Pair each ``interrupted`` event with the user speech that caused it; measure when the output went
-    silent (ground truth from the recorded output) relative to the speech onset (ground truth from the
-    injected file)."""
+SPEECH_SLACK_S = 0.1  # an onset this far outside the injected file's speech (s) is not that speech's
+
+
+def pauses(records: list[dict]) -> list[dict]:
+    """Each ``interrupted`` event (the reply paused) with what caused it, from the timeline alone.
+
+    A pause is the user's when the VAD onset behind it lies in the microphone's time (``audio_t``, s, the
+    room's clock) within an injected utterance, ±:data:`SPEECH_SLACK_S`; otherwise the reply paused on its own
+    voice (echo) or a noise with nobody speaking. Timelines written before ``interrupted`` carried ``audio_t``
+    fall back to the last ``vad_onset`` before the pause, and then to "the last utterance that began".
+
+    :returns: one dict per pause, in order: ``t`` (s, the pause), ``audio_t`` (s or None), ``speech`` (the
+        ``user_speech`` record or None), ``resumed`` / ``flushed`` (what ended the pause, else False) and
+        ``resume_t`` (s or None).
+    """
     speech = [r for r in records if r["event"] == "user_speech"]
-    result = []
+    result: list[dict] = []
+    last_onset_audio_t = None
     for r in records:
-        if r["event"] != "interrupted":
+        ev = r["event"]
+        if ev == "vad_onset":
+            last_onset_audio_t = r.get("audio_t")
+        elif ev == "interrupted":
+            audio_t = r.get("audio_t", last_onset_audio_t)
+            if audio_t is not None:
+                cause = [s for s in speech
+                         if s["onset_t"] - SPEECH_SLACK_S <= audio_t <= s.get("end_t", s["onset_t"]) + SPEECH_SLACK_S]
+            else:
+                cause = [s for s in speech if s["onset_t"] <= r["t"] + 0.05]
+            result.append({"t": r["t"], "audio_t": audio_t, "speech": cause[-1] if cause else None,
+                           "resumed": False, "flushed": False, "resume_t": None})
+        elif ev in ("resumed", "flushed") and result and not (result[-1]["resumed"] or result[-1]["flushed"]):
+            result[-1][ev] = True
+            if ev == "resumed":
+                result[-1]["resume_t"] = r["t"]
+    return result
+
+
+def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
+    """The pauses the user's speech caused (:func:`pauses`), each measured against that speech: detection and
+    the output's silence (ground truth from the recorded output, 16 kHz) relative to the speech onset (ground
+    truth from the injected file), ms."""
+    result = []
+    for p in pauses(records):
+        if p["speech"] is None:
             continue
-        cause = [s for s in speech if s["onset_t"] <= r["t"] + 0.05]
-        if not cause:
-            continue
-        onset = cause[-1]["onset_t"]
-        detected_ms = round((r["t"] - onset) * 1000.0, 1)
+        onset = p["speech"]["onset_t"]
+        detected_ms = round((p["t"] - onset) * 1000.0, 1)
         result.append({
             "onset_t": onset,
             "detected_ms": detected_ms,
@@ -71,18 +105,27 @@ def barge_ins(records: list[dict], output: np.ndarray) -> list[dict]:
     return result
 
 
+def self_pauses(records: list[dict]) -> list[dict]:
+    """The pauses with nobody speaking (:func:`pauses`): the reply paused on its own voice or a noise. Each:
+    ``t`` and ``audio_t`` (s), ``resumed`` / ``flushed`` (bool) and ``paused_ms`` (from pause to resume, ms,
+    or None)."""
+    return [{"t": p["t"], "audio_t": p["audio_t"], "resumed": p["resumed"], "flushed": p["flushed"],
+             "paused_ms": round((p["resume_t"] - p["t"]) * 1000.0, 1) if p["resume_t"] is not None else None}
+            for p in pauses(records) if p["speech"] is None]
+
+
 def resumes(records: list[dict]) -> list[dict]:
-    """Each ``resumed`` event with the interjection that caused it: the gap from the interjection's end
-    (last sample above −40 dBFS of the injected file) to the resume, ms, and what the classifier heard."""
-    speech = [r for r in records if r["event"] == "user_speech"]
+    """Each resume after a pause the user's speech caused (:func:`pauses`), with that interjection: the gap
+    from its end (last sample above −40 dBFS of the injected file) to the resume, ms, and what the
+    classifier heard. Resumes after a pause on the reply's own voice are in :func:`self_pauses`."""
+    heard = {r["t"]: r for r in records if r["event"] == "resumed"}
     result = []
-    for r in records:
-        if r["event"] != "resumed":
+    for p in pauses(records):
+        if p["speech"] is None or not p["resumed"]:
             continue
-        cause = [s for s in speech if s["onset_t"] <= r["t"]]
-        if not cause:
-            continue
-        result.append({"end_t": cause[-1]["end_t"], "gap_ms": round((r["t"] - cause[-1]["end_t"]) * 1000.0, 1),
+        r = heard[p["resume_t"]]
+        end_t = p["speech"]["end_t"]
+        result.append({"end_t": end_t, "gap_ms": round((r["t"] - end_t) * 1000.0, 1),
                        "reason": r.get("reason"), "heard": r.get("heard")})
     return result
 
@@ -132,10 +175,6 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
     session = Session(cfg, parts, port, [timeline, TurnMetrics(out / METRICS_FILE, stream=None)], echo=echo,
                       transcript_at=None if hears else scenario.transcript_at)
     room = port.room
-    timeline({"t": 0.0, "event": Ev.REPLAY_START, "input": str(input_path), "model": parts.engine.model_path.name,
-              "hears_audio": hears, "heard_as": "audio" if hears else "transcript (text-only model)",
-              "paced": paced})
-    session.start()
     idle_since = [None]
 
     def done() -> bool:
@@ -147,12 +186,23 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
             idle_since[0] = room.n
         return (room.n - idle_since[0]) >= idle_tail_s * MODEL_RATE
 
+    stopped = False
     try:
+        timeline({"t": 0.0, "event": Ev.REPLAY_START, "input": str(input_path), "model": parts.engine.model_path.name,
+                  "hears_audio": hears, "heard_as": "audio" if hears else "transcript (text-only model)",
+                  "paced": paced})
+        session.start()
         port.run(done, max_seconds=max_seconds)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was heard and said so far, marked as cut short
+        stopped = True
+        raise
     finally:
         session.stop()
-        timeline({"t": round(room.n / MODEL_RATE, 4), "event": Ev.REPLAY_END})
+        timeline({"t": round(room.n / MODEL_RATE, 4), "event": Ev.REPLAY_END,
+                  **({"stopped": "interrupted by the user (Ctrl-C)"} if stopped else {})})
         timeline.close()
+        if stopped:
+            write_wav(out / "reply.wav", room.output_audio(), MODEL_RATE)
     output = room.output_audio()
     write_wav(out / "reply.wav", output, MODEL_RATE)
     states = [r["state"] for r in timeline.records if r["event"] == "state"]
@@ -164,6 +214,8 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
         "turns": session.conversation.turns,
         "barge_ins": barge_ins(timeline.records, output),
         "resumes": resumes(timeline.records),
+        "self_pauses": self_pauses(timeline.records),
+        "flushes": sum(1 for r in timeline.records if r["event"] == "flushed"),
         "echo_ms_per_frame": round(session.listener.echo.ms_per_frame, 3)
         if getattr(session.listener.echo, "ms_per_frame", None) else None,
         "states": states,

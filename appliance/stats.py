@@ -46,7 +46,7 @@ def summarise(turns: list[dict], last: Optional[int] = None) -> dict:
 
 def format_summary(summary: dict, source: str) -> str:
     """A plain-text table (fixed-width columns, no colour: it is read over SSH and pasted into threads)."""
-    lines = [f"{summary['turns']} turns from {source} ({summary['interrupted']} interrupted)"]
+    lines = [f"{summary['turns']} turn{'' if summary['turns'] == 1 else 's'} from {source} ({summary['interrupted']} interrupted)"]
     if not summary["metrics"]:
         return lines[0]
     lines.append(f"{'metric':32} {'n':>5} {'p50':>9} {'p95':>9} {'max':>9}  unit")

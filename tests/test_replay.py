@@ -143,3 +143,29 @@ def test_an_event_marked_speech_false_needs_no_transcript_on_the_text_only_model
     assert [r["source"] for r in records if r["event"] == "user_speech"] == [str(DEMO / "question.wav"), "slam.wav"]
     assert report["turns"][0]["heard_transcript"] == "What is a rainbow?"
     assert not report["timed_out"]
+
+
+def test_a_pause_with_nobody_speaking_is_the_replys_own_not_a_barge_in():
+    """The fresh user's +6 dB replay (session 12): the reply paused on its own voice 13 s after the question
+    ended, and the report called it a barge-in by that question, 13,674 ms late. The pause is paired with
+    the speech its VAD onset lies in (the microphone's time), else reported as the reply's own."""
+    from appliance.replay import barge_ins, resumes, self_pauses
+
+    records = [
+        {"t": 0.6526, "event": "user_speech", "onset_t": 0.6526, "end_t": 1.512},
+        {"t": 0.7117, "event": "vad_onset", "audio_t": 0.672, "prob": 0.89},
+        {"t": 14.3258, "event": "vad_onset", "audio_t": 13.584, "prob": 0.69},
+        {"t": 14.3266, "event": "interrupted", "onset_t": 14.3258, "audio_t": 13.584},
+        {"t": 14.4009, "event": "resumed", "reason": "backchannel", "heard": "right"},
+        {"t": 20.0, "event": "user_speech", "onset_t": 20.0, "end_t": 20.7},
+        {"t": 20.06, "event": "vad_onset", "audio_t": 20.01, "prob": 0.9},
+        {"t": 20.061, "event": "interrupted", "onset_t": 20.06},  # an older timeline: no audio_t on the pause
+        {"t": 20.9, "event": "resumed", "reason": "backchannel", "heard": "yeah"},
+    ]
+    output = np.zeros(22 * 16000, dtype=np.float32)
+    (own,) = self_pauses(records)
+    assert own["audio_t"] == 13.584 and own["resumed"] and not own["flushed"] and own["paused_ms"] == 74.3
+    (b,) = barge_ins(records, output)
+    assert b["onset_t"] == 20.0 and b["detected_ms"] == 61.0
+    (r,) = resumes(records)
+    assert r["heard"] == "yeah" and r["gap_ms"] == 200.0
