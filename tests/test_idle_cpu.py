@@ -516,6 +516,70 @@ def test_an_idle_worker_sends_more_microphone_blocks_to_a_message_until_the_vad_
     assert [m[2] for m in feed(1, idle=False)] == [6 * 480]  # the reply's WAKE: what was held goes at once
 
 
+def test_an_idle_worker_sends_longer_messages_while_the_room_is_at_its_floor_and_a_sound_at_once():
+    """Output idle, nobody talking, the room at its floor (3 s idle to learn it, and every block of the last
+    0.5 s within 3 dB of the quietest of the last 3 s): 20 blocks to a message. The first block above it goes at
+    once with what was held; then 6 to a message, as before, until the room is calm again. A floor that
+    rises (a fan) is learnt within 3.5 s. The floor is learnt afresh after an utterance (``ATTEND``) and after
+    a reply (output not idle). Every byte is delivered, in order."""
+    from appliance.audio.device.worker import (CALM_S, FLOOR_INPUT_BLOCKS, FLOOR_S, LISTEN_INPUT_BLOCKS,
+                                               QUIET_INPUT_BLOCKS, InputBatcher)
+
+    assert FLOOR_INPUT_BLOCKS == 20 and FLOOR_S == 3.0 and CALM_S == 0.5
+    rate, block = 48000, 480
+    rng = np.random.default_rng(4)
+    b = InputBatcher(rate)
+    fed, got = [], []  # every block's bytes; every message as (index of its last block, blocks in it, bytes)
+
+    def feed(seconds, dbfs, idle=True):
+        for _ in range(int(seconds * 100)):
+            x = (10 ** (dbfs / 20) * rng.standard_normal(block)).astype(np.float32)
+            fed.append(x.tobytes())
+            msg = b.add(fed[-1], block, 0, idle, float(np.dot(x, x)) / block)
+            if msg is not None:
+                got.append((len(fed) - 1, msg[2] // block, msg[0]))
+
+    def sizes(since):  # the messages sent since block ``since``: their sizes in blocks
+        return [n for last, n, _ in got if last >= since]
+
+    feed(2.9, -70)
+    assert set(sizes(0)) == {QUIET_INPUT_BLOCKS}  # learning the floor (3 s)
+    feed(7.1, -70)
+    assert sizes(300) and set(sizes(300)) == {FLOOR_INPUT_BLOCKS}  # at the floor: 200 ms messages
+    at = len(fed)
+    feed(0.01, -40)  # a sound 30 dB over the floor
+    assert got[-1][0] == at  # went at once ...
+    assert 1 <= got[-1][1] <= FLOOR_INPUT_BLOCKS  # ... with what was held
+    feed(1.0, -40)
+    assert set(sizes(at + 1)) == {QUIET_INPUT_BLOCKS}  # then as before while the room is loud
+    at = len(fed)
+    feed(3.0, -70)
+    quiet_again = sizes(at)
+    assert quiet_again[-1] == FLOOR_INPUT_BLOCKS and quiet_again.count(QUIET_INPUT_BLOCKS) <= 9  # calm after 0.5 s
+    at = len(fed)
+    feed(5.0, -60)  # a fan starts: 10 dB over the old floor
+    assert [m[0] for m in got if m[0] >= at][0] == at  # it rose out of the floor: at once
+    assert sizes(at)[-1] == FLOOR_INPUT_BLOCKS  # its level learnt as the floor within 4 s
+    # An utterance (ATTEND) and a reply (not idle): the floor is learnt afresh after each.
+    for before in ("attentive", "reply"):
+        if before == "attentive":
+            b.attentive = True
+            at = len(fed)
+            feed(1.0, -60)
+            assert set(sizes(at)[1:]) == {LISTEN_INPUT_BLOCKS}  # (the first with what was held)
+            b.attentive = False
+        else:
+            at = len(fed)
+            feed(1.0, -60, idle=False)
+            assert set(sizes(at)[1:]) == {1}
+        at = len(fed)
+        feed(4.0, -60)
+        after = sizes(at)
+        assert after[:45] == [QUIET_INPUT_BLOCKS] * 45, after  # 2.7 s (of the 3 s to learn the floor) as before
+        assert after[-1] == FLOOR_INPUT_BLOCKS
+    assert b"".join(m[2] for m in got) == b"".join(fed[:got[-1][0] + 1])  # nothing lost, reordered or doubled
+
+
 def test_the_device_tells_its_worker_when_the_vad_hears_speech():
     """``DeviceAudio.observe`` (the conversation's records): ``ATTEND`` on at a ``vad_onset``, off at the
     utterance's ``vad_end`` or ``vad_reject``, once per change; other records say nothing."""
@@ -582,6 +646,39 @@ def test_on_real_streams_an_idle_device_sends_6_blocks_to_a_message_and_3_while_
     for got, block in ((quiet, 960), (heard, 480), (quiet2, 960)):
         assert got and sum(s == block for s in got) >= len(got) - 1, (block, got)  # (one message at a switch)
         assert 0.6 * 16000 <= sum(got) <= 1.4 * 16000, got  # paced by the server, nothing lost
+
+
+@pytest.mark.skipif(__import__("jack_dummy").why_skip() is not None, reason=str(__import__("jack_dummy").why_skip()))
+def test_on_real_streams_a_room_at_its_floor_gets_200_ms_messages_and_a_sound_goes_at_once():
+    """On the shared JACK dummy server (16 kHz: one capture per INPUT message): after 3 s idle in a digitally
+    silent room, a capture every 200 ms; the user's first sample reaches the service in the capture whose
+    last 10 ms block holds it (it did not wait for the message to fill)."""
+    import jack_dummy as jd
+    from appliance.audio.device import DeviceAudio
+    from appliance.playback import Playback
+
+    user = jd.User()
+    dev = DeviceAudio("user", "user", 10, 16000)
+    pb = Playback(16000, port=dev)
+    caps: list[np.ndarray] = []
+    dev.start(pb.take, lambda m, f: caps.append(m.copy()), pb.port_silent)
+    try:
+        assert dev.wait_open(15)
+        time.sleep(4.0)  # idle after 0.2 s, the floor learnt over 3 s
+        k = len(caps)
+        time.sleep(1.0)
+        floor = [len(c) for c in caps[k:]]
+        user.say(np.full(1600, 0.1, np.float32))
+        time.sleep(0.6)
+    finally:
+        dev.stop()
+        user.close()
+    assert floor and sum(s == 3200 for s in floor) >= len(floor) - 1, floor
+    x = np.concatenate(caps)
+    first = int(np.flatnonzero(x)[0])
+    ends = np.cumsum([len(c) for c in caps])
+    end = int(ends[np.searchsorted(ends, first, side="right")])  # the end of the capture that holds it
+    assert end - first <= 160, (first, end)
 
 
 # --- Speex while nobody talks and nothing plays ---
