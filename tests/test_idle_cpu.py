@@ -580,6 +580,26 @@ def test_an_idle_worker_sends_longer_messages_while_the_room_is_at_its_floor_and
     assert b"".join(m[2] for m in got) == b"".join(fed[:got[-1][0] + 1])  # nothing lost, reordered or doubled
 
 
+def test_the_worker_checks_its_device_when_a_check_could_fail_not_five_times_a_second():
+    """The control loop's wait with no message: up to the stall's deadline after the last callback (or the
+    grace's before the first one), never past it, at most 1 s; so a device that stops calling back is still
+    reported ``stall_s`` after its last callback (a fixed 0.2 s poll reported it up to 0.2 s after that)."""
+    from appliance.audio.device.worker import WATCH_S, watch_timeout
+
+    assert WATCH_S == 1.0
+    started = 100.0
+    # callbacks every 10 ms: one wake-up a second, not five
+    assert watch_timeout(200.0, 199.99, started, 1.0, 3.0) == pytest.approx(0.99)
+    assert watch_timeout(200.0, 199.99, started, 5.0, 3.0) == WATCH_S
+    # the callbacks stopped at 199.99: the next wake-up is at the stall's deadline, wherever the loop is
+    for now in (200.0, 200.5, 200.98):
+        assert now + watch_timeout(now, 199.99, started, 1.0, 3.0) == pytest.approx(200.99)
+    assert watch_timeout(201.5, 199.99, started, 1.0, 3.0) == 0.005  # (past it: the check fires at once)
+    # no callback yet: the grace's deadline
+    assert watch_timeout(100.5, 0.0, started, 1.0, 3.0) == WATCH_S
+    assert 102.5 + watch_timeout(102.5, 0.0, started, 1.0, 3.0) == pytest.approx(103.0)
+
+
 def test_the_device_tells_its_worker_when_the_vad_hears_speech():
     """``DeviceAudio.observe`` (the conversation's records): ``ATTEND`` on at a ``vad_onset``, off at the
     utterance's ``vad_end`` or ``vad_reject``, once per change; other records say nothing."""

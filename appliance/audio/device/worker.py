@@ -69,6 +69,7 @@ FLOOR_S = 3.0  # the room's floor: the quietest block (mean square) of the last 
 FLOOR_MARGIN_DB = 3.0  # a block louder than the floor by more than this is a sound in the room
 CALM_S = 0.5  # no sound for this long (after FLOOR_S idle): the room is at its floor
 _FLOOR_SEGMENTS = 6  # the floor's window, in segments of FLOOR_S / _FLOOR_SEGMENTS
+WATCH_S = 1.0  # the control loop wakes at least this often with no message (see watch_timeout)
 
 
 class InputBatcher:
@@ -158,6 +159,15 @@ class InputBatcher:
         self._held.clear()
         self._flags = self._frames = 0
         return out
+
+
+def watch_timeout(now: float, last: float, started: float, stall_s: float, grace_s: float) -> float:
+    """How long the control loop may wait for a message before it checks the device again, s: until the
+    first moment a check could fail (``stall_s`` after the last callback at ``last``, or ``grace_s`` after
+    opening at ``started`` while no callback has come: ``last`` 0.0), at most ``WATCH_S``, at least 5 ms.
+    All times ``time.monotonic()``, s. (A fixed 0.2 s poll woke the worker 5 times a second for nothing.)"""
+    due = last + stall_s if last else started + grace_s
+    return min(WATCH_S, max(0.005, due - now))
 
 
 class OutputRing:
@@ -417,4 +427,5 @@ def run(fd: int, params: dict) -> int:
         if reason:
             send_json(p.Kind.LOST, {"reason": reason})
             os._exit(5)
+        ctl.settimeout(watch_timeout(now, last, started, stall_s, grace_s))
 
