@@ -103,6 +103,7 @@ class InputBatcher:
     def _forget(self) -> None:
         """Learn the floor afresh (after a reply or an utterance, or a block of unknown level)."""
         self._mins.clear()
+        self._old_min = float("inf")  # the quietest block of the whole segments kept (min of _mins)
         self._seg_min = float("inf")  # the quietest block of the segment under way
         self._seg_frames = 0
         self._learnt = 0  # frames of idle, unattended input the floor has heard
@@ -124,7 +125,7 @@ class InputBatcher:
     def _hear(self, power: float, frames: int) -> bool:
         """An idle, unattended block's mean square, learnt by the floor. :returns: it rose out of the floor."""
         was = self.at_floor
-        floor = min(self._seg_min, min(self._mins, default=self._seg_min))
+        floor = self._seg_min if self._seg_min < self._old_min else self._old_min
         loud = power > floor * self._margin
         self._calm = 0 if loud else self._calm + frames
         self._learnt += frames
@@ -133,6 +134,7 @@ class InputBatcher:
         self._seg_frames += frames
         if self._seg_frames >= self._segment:
             self._mins.append(self._seg_min)
+            self._old_min = min(self._mins)
             self._seg_min, self._seg_frames = float("inf"), 0
         return was and loud
 
@@ -213,6 +215,9 @@ class OutputRing:
         :returns: (samples to request, extra flags (``LATE``), whether a fade out reached silence).
         """
         self.callbacks += 1
+        if self.slept and not self.fader.queued and self.idle:
+            out[:] = 0.0  # asleep, nothing held: what the lines below give then, without the fader's work
+            return 0, 0, False
         flags = 0
         _, res = self.fader.read(frames, out)
         if res.short and self.callbacks > 1 and not self.slept:
@@ -317,9 +322,12 @@ def run(fd: int, params: dict) -> int:
     def on_input(indata, frames, time_info, status):
         last_cb[0] = time.monotonic()
         # ring.idle is read without the lock: a stale answer costs one block
-        x = indata.reshape(-1)
-        msg = batcher.add(indata.tobytes(), frames, getattr(status, "_flags", 0), ring.idle,
-                          float(np.dot(x, x)) / len(x) if len(x) else None)
+        idle = ring.idle
+        power = None  # the block's mean square: only the floor of an idle room reads it
+        if idle and not batcher.attentive:
+            x = indata.reshape(-1)
+            power = float(np.dot(x, x)) / len(x) if len(x) else None
+        msg = batcher.add(indata.tobytes(), frames, getattr(status, "_flags", 0), idle, power)
         if msg is None:
             return
         data, flags, n = msg
@@ -341,12 +349,13 @@ def run(fd: int, params: dict) -> int:
     def on_output(outdata, frames, time_info, status):
         last_cb[0] = time.monotonic()
         flags = getattr(status, "_flags", 0)  # sounddevice.CallbackFlags keeps the PortAudio bits here
+        mono = outdata[:, 0]  # a view: the fader writes the card's buffer
         with ring.lock:
-            want, more, silent = ring.fill(outdata[:, 0], frames)  # a view: the fader writes the card's buffer
+            want, more, silent = ring.fill(mono, frames)
             gen = ring.generation
         flags |= more
         if din is not None:
-            played.append(outdata[:, 0].copy())
+            played.append(mono.copy())
         if outdata.shape[1] > 1:
             outdata[:, 1:] = outdata[:, :1]
         if want > 0 or flags:
