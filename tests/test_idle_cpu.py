@@ -522,10 +522,11 @@ def test_an_idle_worker_sends_longer_messages_while_the_room_is_at_its_floor_and
     once with what was held; then 6 to a message, as before, until the room is calm again. A floor that
     rises (a fan) is learnt within 3.5 s. The floor is learnt afresh after an utterance (``ATTEND``) and after
     a reply (output not idle). Every byte is delivered, in order."""
-    from appliance.audio.device.worker import (CALM_S, FLOOR_INPUT_BLOCKS, FLOOR_S, LISTEN_INPUT_BLOCKS,
+    from appliance.audio.device.worker import (CALM_S, FLOOR_MESSAGE_S, FLOOR_S, LISTEN_INPUT_BLOCKS,
                                                QUIET_INPUT_BLOCKS, InputBatcher)
 
-    assert FLOOR_INPUT_BLOCKS == 20 and FLOOR_S == 3.0 and CALM_S == 0.5
+    assert FLOOR_MESSAGE_S == 0.2 and FLOOR_S == 3.0 and CALM_S == 0.5
+    FLOOR_INPUT_BLOCKS = 20  # 200 ms of 10 ms blocks
     rate, block = 48000, 480
     rng = np.random.default_rng(4)
     b = InputBatcher(rate)
@@ -578,6 +579,15 @@ def test_an_idle_worker_sends_longer_messages_while_the_room_is_at_its_floor_and
         assert after[:45] == [QUIET_INPUT_BLOCKS] * 45, after  # 2.7 s (of the 3 s to learn the floor) as before
         assert after[-1] == FLOOR_INPUT_BLOCKS
     assert b"".join(m[2] for m in got) == b"".join(fed[:got[-1][0] + 1])  # nothing lost, reordered or doubled
+    # 200 ms, not 20 blocks, whatever the block (audio.output_block_ms): 10 blocks of 20 ms; 100 ms blocks
+    # go 6 to a message as before (a 2 s datagram would not fit the socket's buffer)
+    for block_ms, want in ((20, 10), (100, QUIET_INPUT_BLOCKS)):
+        b, n = InputBatcher(rate), rate * block_ms // 1000
+        x = (10 ** (-70 / 20) * rng.standard_normal(n)).astype(np.float32)
+        power = float(np.dot(x, x)) / n
+        sent = [m[2] // n for m in (b.add(x.tobytes(), n, 0, True, power) for _ in range(int(20 / block_ms * 300)))
+                if m is not None]
+        assert sent[-3:] == [want] * 3, (block_ms, sent)
 
 
 def test_the_floors_longer_messages_leave_every_onset_on_its_sample():

@@ -18,14 +18,14 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   callback asks for the whole target again. The input callback meanwhile sends the microphone's blocks
   several to one ``INPUT`` (each message wakes a thread in each process, and a thread woken cold costs
   several times its work done warm; :class:`InputBatcher`): ``QUIET_INPUT_BLOCKS`` while nobody talks,
-  ``FLOOR_INPUT_BLOCKS`` once the room has stayed at its noise floor (every block of the last ``CALM_S``
+  ``FLOOR_MESSAGE_S`` of them (20 blocks of 10 ms) once the room has stayed at its noise floor (every block of the last ``CALM_S``
   within ``FLOOR_MARGIN_DB`` of the quietest block of the last ``FLOOR_S``, learnt over ``FLOOR_S`` of
   idle), and ``LISTEN_INPUT_BLOCKS`` once the service says its VAD hears speech (``ATTEND`` on, from its
   onset to its end or rejection). The first block that rises above the floor's margin goes at once, with
   the blocks held before it; the next ones go ``QUIET_INPUT_BLOCKS`` to a message until the room is at
   its floor again. The price: while idle the start of a user's turn (its onset) reaches the service up to
   ``QUIET_INPUT_BLOCKS`` − 1 blocks later (50 ms at the default 10 ms block; none when it rises out of the
-  floor, up to ``FLOOR_INPUT_BLOCKS`` − 1 (190 ms) for a sound that stays within the floor's margin), and
+  floor, up to 190 ms (``FLOOR_MESSAGE_S`` less a block) for a sound that stays within the floor's margin), and
   the rest of the turn, its end included, up to ``LISTEN_INPUT_BLOCKS`` − 1 blocks later (20 ms; at 48 kHz
   soxr hands the service 30 ms at a time anyway, so one message of 3 blocks is one capture); the
   utterance loses nothing (the VAD keeps 200 ms before its onset). While the output is not idle (a reply
@@ -63,7 +63,8 @@ RING_MIN_BLOCKS, RING_MAX_BLOCKS = 2, 8
 IDLE_AFTER_S = 0.2  # digital silence received for this long (more than the ring holds): the output is idle
 QUIET_INPUT_BLOCKS = 6  # ... then the ring asks for nothing until WAKE, and the microphone's blocks go this many to
 #   a message while nobody talks (InputBatcher) ...
-FLOOR_INPUT_BLOCKS = 20  # ... this many while the room stays at its noise floor ...
+FLOOR_MESSAGE_S = 0.2  # ... this long a message (at least QUIET_INPUT_BLOCKS) while the room stays at its noise
+#   floor (a time, not a count: a 100 ms block must not make 2 s datagrams, which a 208 KiB socket buffer refuses) ...
 LISTEN_INPUT_BLOCKS = 3  # ... and this many while the service's VAD hears speech (ATTEND on)
 FLOOR_S = 3.0  # the room's floor: the quietest block (mean square) of the last FLOOR_S s, learnt while idle
 FLOOR_MARGIN_DB = 3.0  # a block louder than the floor by more than this is a sound in the room
@@ -78,7 +79,8 @@ class InputBatcher:
     Every block is its own message while the output is not idle (a reply plays or is paused: a barge-in
     is heard at once); while it is idle, ``LISTEN_INPUT_BLOCKS`` blocks go to a message while
     :attr:`attentive` (the service's VAD hears speech: the end of the turn is heard as soon as before),
-    ``FLOOR_INPUT_BLOCKS`` while the room is at its noise floor (:attr:`at_floor`), else
+    as many as make ``FLOOR_MESSAGE_S`` (at least ``QUIET_INPUT_BLOCKS``) while the room is at its noise floor
+    (:attr:`at_floor`), else
     ``QUIET_INPUT_BLOCKS``. A block that rises out of the floor (its mean square more than
     ``FLOOR_MARGIN_DB`` above the floor's) goes at once with what is held. The floor is learnt only from idle,
     unattended blocks, afresh after a reply or an utterance (as the VAD's own floor is,
@@ -97,6 +99,9 @@ class InputBatcher:
         self._segment = max(1, int(rate * FLOOR_S / _FLOOR_SEGMENTS))  # frames
         self._learn = int(rate * FLOOR_S)  # frames
         self._calm_needed = int(rate * CALM_S)  # frames
+        self._rate = rate
+        self._block = 0  # the last block's frames
+        self._floor_blocks = QUIET_INPUT_BLOCKS  # blocks to a message at the floor (FLOOR_MESSAGE_S of them)
         self._mins: deque = deque(maxlen=_FLOOR_SEGMENTS)  # the quietest block of each whole segment
         self._forget()
 
@@ -120,7 +125,7 @@ class InputBatcher:
             return 1
         if self.attentive:
             return LISTEN_INPUT_BLOCKS
-        return FLOOR_INPUT_BLOCKS if self.at_floor else QUIET_INPUT_BLOCKS
+        return self._floor_blocks if self.at_floor else QUIET_INPUT_BLOCKS
 
     def _hear(self, power: float, frames: int) -> bool:
         """An idle, unattended block's mean square, learnt by the floor. :returns: it rose out of the floor."""
@@ -148,6 +153,9 @@ class InputBatcher:
             blocks are held or the block rose out of the floor.
         """
         rise = False
+        if frames != self._block and frames > 0:
+            self._block = frames
+            self._floor_blocks = max(QUIET_INPUT_BLOCKS, int(round(FLOOR_MESSAGE_S * self._rate / frames)))
         if idle and not self.attentive and power is not None:
             rise = self._hear(float(power), frames)
         elif self._learnt:
