@@ -362,7 +362,7 @@ class DeviceAudio(AudioPort):
         while not self._stop.is_set():
             link = self._link
             if link is not None and not link.closed.is_set():
-                link.closed.wait(0.2)
+                link.closed.wait(1.0)  # set when the link closes (a loss, stop, reopen): no need to poll
                 continue
             self.state = "opening"
             self.attempts += 1

@@ -18,13 +18,18 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   callback asks for the whole target again. The input callback meanwhile sends the microphone's blocks
   several to one ``INPUT`` (each message wakes a thread in each process, and a thread woken cold costs
   several times its work done warm; :class:`InputBatcher`): ``QUIET_INPUT_BLOCKS`` while nobody talks,
-  ``LISTEN_INPUT_BLOCKS`` once the service says its VAD hears speech (``ATTEND`` on, from its onset to
-  its end or rejection). The price: while idle the start of a user's turn (its onset) reaches the service
-  up to ``QUIET_INPUT_BLOCKS`` − 1 blocks later (50 ms at the default 10 ms block) and the rest of the turn,
-  its end included, up to ``LISTEN_INPUT_BLOCKS`` − 1 blocks later (20 ms; at 48 kHz soxr hands the service
-  30 ms at a time anyway, so one message of 3 blocks is one capture); the utterance loses nothing (the VAD
-  keeps 200 ms before its onset). While the output is not idle (a reply plays, or is paused: a barge-in)
-  every block is its own message. A reply's first samples are asked for at the first output callback
+  ``FLOOR_MESSAGE_S`` of them (20 blocks of 10 ms) once the room has stayed at its noise floor (every block of the last ``CALM_S``
+  within ``FLOOR_MARGIN_DB`` of the quietest block of the last ``FLOOR_S``, learnt over ``FLOOR_S`` of
+  idle), and ``LISTEN_INPUT_BLOCKS`` once the service says its VAD hears speech (``ATTEND`` on, from its
+  onset to its end or rejection). The first block that rises above the floor's margin goes at once, with
+  the blocks held before it; the next ones go ``QUIET_INPUT_BLOCKS`` to a message until the room is at
+  its floor again. The price: while idle the start of a user's turn (its onset) reaches the service up to
+  ``QUIET_INPUT_BLOCKS`` − 1 blocks later (50 ms at the default 10 ms block; none when it rises out of the
+  floor, up to 190 ms (``FLOOR_MESSAGE_S`` less a block) for a sound that stays within the floor's margin), and
+  the rest of the turn, its end included, up to ``LISTEN_INPUT_BLOCKS`` − 1 blocks later (20 ms; at 48 kHz
+  soxr hands the service 30 ms at a time anyway, so one message of 3 blocks is one capture); the
+  utterance loses nothing (the VAD keeps 200 ms before its onset). While the output is not idle (a reply
+  plays, or is paused: a barge-in) every block is its own message, and the floor is learnt afresh after it. A reply's first samples are asked for at the first output callback
   after ``WAKE`` (within one block) and, the ring being empty then, play as soon as they arrive (before,
   they queued behind 2–6 blocks of silence). A pause (a barge-in) is never idle.
 - ``ATTEND``: the service's VAD hears speech (on) or no longer does (off): the input's batching above.
@@ -58,44 +63,121 @@ RING_MIN_BLOCKS, RING_MAX_BLOCKS = 2, 8
 IDLE_AFTER_S = 0.2  # digital silence received for this long (more than the ring holds): the output is idle
 QUIET_INPUT_BLOCKS = 6  # ... then the ring asks for nothing until WAKE, and the microphone's blocks go this many to
 #   a message while nobody talks (InputBatcher) ...
+FLOOR_MESSAGE_S = 0.2  # ... this long a message (at least QUIET_INPUT_BLOCKS) while the room stays at its noise
+#   floor (a time, not a count: a 100 ms block must not make 2 s datagrams, which a 208 KiB socket buffer refuses) ...
 LISTEN_INPUT_BLOCKS = 3  # ... and this many while the service's VAD hears speech (ATTEND on)
+FLOOR_S = 3.0  # the room's floor: the quietest block (mean square) of the last FLOOR_S s, learnt while idle
+FLOOR_MARGIN_DB = 3.0  # a block louder than the floor by more than this is a sound in the room
+CALM_S = 0.5  # no sound for this long (after FLOOR_S idle): the room is at its floor
+_FLOOR_SEGMENTS = 6  # the floor's window, in segments of FLOOR_S / _FLOOR_SEGMENTS
+WATCH_S = 1.0  # the control loop wakes at least this often with no message (see watch_timeout)
 
 
 class InputBatcher:
     """The worker's input side: how many microphone blocks go to one ``INPUT`` message.
 
     Every block is its own message while the output is not idle (a reply plays or is paused: a barge-in
-    is heard at once); while it is idle, ``QUIET_INPUT_BLOCKS`` blocks go to a message, or
-    ``LISTEN_INPUT_BLOCKS`` while :attr:`attentive` (the service's VAD hears speech: the end of the turn is
-    heard as soon as before). Called from the input callback only; :attr:`attentive` is set by the control
-    loop (a stale read costs one block's batching).
+    is heard at once); while it is idle, ``LISTEN_INPUT_BLOCKS`` blocks go to a message while
+    :attr:`attentive` (the service's VAD hears speech: the end of the turn is heard as soon as before),
+    as many as make ``FLOOR_MESSAGE_S`` (at least ``QUIET_INPUT_BLOCKS``) while the room is at its noise floor
+    (:attr:`at_floor`), else
+    ``QUIET_INPUT_BLOCKS``. A block that rises out of the floor (its mean square more than
+    ``FLOOR_MARGIN_DB`` above the floor's) goes at once with what is held. The floor is learnt only from idle,
+    unattended blocks, afresh after a reply or an utterance (as the VAD's own floor is,
+    :class:`appliance.vad.VadSegmenter`). Called from the input callback only; :attr:`attentive` is set by
+    the control loop (a stale read costs one block's batching).
+
+    :param rate: the microphone's rate, Hz (``FLOOR_S`` and ``CALM_S`` are counted in its frames).
     """
 
-    def __init__(self):
+    def __init__(self, rate: int = 48000):
         self.attentive = False
         self._held: list[bytes] = []
         self._flags = 0
         self._frames = 0
+        self._margin = 10.0 ** (FLOOR_MARGIN_DB / 10.0)
+        self._segment = max(1, int(rate * FLOOR_S / _FLOOR_SEGMENTS))  # frames
+        self._learn = int(rate * FLOOR_S)  # frames
+        self._calm_needed = int(rate * CALM_S)  # frames
+        self._rate = rate
+        self._block = 0  # the last block's frames
+        self._floor_blocks = QUIET_INPUT_BLOCKS  # blocks to a message at the floor (FLOOR_MESSAGE_S of them)
+        self._mins: deque = deque(maxlen=_FLOOR_SEGMENTS)  # the quietest block of each whole segment
+        self._forget()
+
+    def _forget(self) -> None:
+        """Learn the floor afresh (after a reply or an utterance, or a block of unknown level)."""
+        self._mins.clear()
+        self._old_min = float("inf")  # the quietest block of the whole segments kept (min of _mins)
+        self._seg_min = float("inf")  # the quietest block of the segment under way
+        self._seg_frames = 0
+        self._learnt = 0  # frames of idle, unattended input the floor has heard
+        self._calm = 0  # frames since the last block above the floor's margin
+
+    @property
+    def at_floor(self) -> bool:
+        """The room has been at its floor for ``CALM_S``, after ``FLOOR_S`` idle to learn it."""
+        return self._learnt >= self._learn and self._calm >= self._calm_needed
 
     def batch(self, idle: bool) -> int:
         """Blocks to a message now."""
         if not idle:
             return 1
-        return LISTEN_INPUT_BLOCKS if self.attentive else QUIET_INPUT_BLOCKS
+        if self.attentive:
+            return LISTEN_INPUT_BLOCKS
+        return self._floor_blocks if self.at_floor else QUIET_INPUT_BLOCKS
 
-    def add(self, data: bytes, frames: int, flags: int, idle: bool) -> Optional[tuple[bytes, int, int]]:
-        """One input block (``data``: its interleaved float32 bytes, ``frames`` frames, PortAudio's ``flags``)
-        and whether the output is idle now. :returns: None (held), or the message's (bytes, the blocks' flags
-        or-ed, frames) once :meth:`batch` blocks are held."""
+    def _hear(self, power: float, frames: int) -> bool:
+        """An idle, unattended block's mean square, learnt by the floor. :returns: it rose out of the floor."""
+        was = self.at_floor
+        floor = self._seg_min if self._seg_min < self._old_min else self._old_min
+        loud = power > floor * self._margin
+        self._calm = 0 if loud else self._calm + frames
+        self._learnt += frames
+        if power < self._seg_min:
+            self._seg_min = power
+        self._seg_frames += frames
+        if self._seg_frames >= self._segment:
+            self._mins.append(self._seg_min)
+            self._old_min = min(self._mins)
+            self._seg_min, self._seg_frames = float("inf"), 0
+        return was and loud
+
+    def add(self, data: bytes, frames: int, flags: int, idle: bool,
+            power: Optional[float] = None) -> Optional[tuple[bytes, int, int]]:
+        """One input block: ``data`` (its interleaved float32 bytes), ``frames`` frames, PortAudio's ``flags``,
+        whether the output is idle now, and the block's mean square ``power`` (full scale 1.0; None: not known,
+        and the floor is learnt afresh).
+
+        :returns: None (held), or the message's (bytes, the blocks' flags or-ed, frames) once :meth:`batch`
+            blocks are held or the block rose out of the floor.
+        """
+        rise = False
+        if frames != self._block and frames > 0:
+            self._block = frames
+            self._floor_blocks = max(QUIET_INPUT_BLOCKS, int(round(FLOOR_MESSAGE_S * self._rate / frames)))
+        if idle and not self.attentive and power is not None:
+            rise = self._hear(float(power), frames)
+        elif self._learnt:
+            self._forget()
         self._held.append(data)
         self._frames += frames
         self._flags |= flags
-        if len(self._held) < self.batch(idle):
+        if len(self._held) < self.batch(idle) and not rise:
             return None
         out = (b"".join(self._held), self._flags, self._frames)
         self._held.clear()
         self._flags = self._frames = 0
         return out
+
+
+def watch_timeout(now: float, last: float, started: float, stall_s: float, grace_s: float) -> float:
+    """How long the control loop may wait for a message before it checks the device again, s: until the
+    first moment a check could fail (``stall_s`` after the last callback at ``last``, or ``grace_s`` after
+    opening at ``started`` while no callback has come: ``last`` 0.0), at most ``WATCH_S``, at least 5 ms.
+    All times ``time.monotonic()``, s. (A fixed 0.2 s poll woke the worker 5 times a second for nothing.)"""
+    due = last + stall_s if last else started + grace_s
+    return min(WATCH_S, max(0.005, due - now))
 
 
 class OutputRing:
@@ -141,6 +223,9 @@ class OutputRing:
         :returns: (samples to request, extra flags (``LATE``), whether a fade out reached silence).
         """
         self.callbacks += 1
+        if self.slept and not self.fader.queued and self.idle:
+            out[:] = 0.0  # asleep, nothing held: what the lines below give then, without the fader's work
+            return 0, 0, False
         flags = 0
         _, res = self.fader.read(frames, out)
         if res.short and self.callbacks > 1 and not self.slept:
@@ -234,7 +319,7 @@ def run(fd: int, params: dict) -> int:
     ring = OutputRing(out_block, fade_samples(out_rate, float(params.get("fade_ms", 8.0))),
                       idle_after=int(float(params.get("idle_s", IDLE_AFTER_S)) * out_rate))
     last_cb = [0.0]
-    batcher = InputBatcher()
+    batcher = InputBatcher(in_rate)
 
     # What the output callbacks played (after the fader: fades, pauses and late blocks included), handed to
     # the service with the next input block: the canceller's far end, sample-exact and on the device's own
@@ -245,7 +330,12 @@ def run(fd: int, params: dict) -> int:
     def on_input(indata, frames, time_info, status):
         last_cb[0] = time.monotonic()
         # ring.idle is read without the lock: a stale answer costs one block
-        msg = batcher.add(indata.tobytes(), frames, getattr(status, "_flags", 0), ring.idle)
+        idle = ring.idle
+        power = None  # the block's mean square: only the floor of an idle room reads it
+        if idle and not batcher.attentive:
+            x = indata.reshape(-1)
+            power = float(np.dot(x, x)) / len(x) if len(x) else None
+        msg = batcher.add(indata.tobytes(), frames, getattr(status, "_flags", 0), idle, power)
         if msg is None:
             return
         data, flags, n = msg
@@ -267,12 +357,13 @@ def run(fd: int, params: dict) -> int:
     def on_output(outdata, frames, time_info, status):
         last_cb[0] = time.monotonic()
         flags = getattr(status, "_flags", 0)  # sounddevice.CallbackFlags keeps the PortAudio bits here
+        mono = outdata[:, 0]  # a view: the fader writes the card's buffer
         with ring.lock:
-            want, more, silent = ring.fill(outdata[:, 0], frames)  # a view: the fader writes the card's buffer
+            want, more, silent = ring.fill(mono, frames)
             gen = ring.generation
         flags |= more
         if din is not None:
-            played.append(outdata[:, 0].copy())
+            played.append(mono.copy())
         if outdata.shape[1] > 1:
             outdata[:, 1:] = outdata[:, :1]
         if want > 0 or flags:
@@ -353,4 +444,5 @@ def run(fd: int, params: dict) -> int:
         if reason:
             send_json(p.Kind.LOST, {"reason": reason})
             os._exit(5)
+        ctl.settimeout(watch_timeout(now, last, started, stall_s, grace_s))
 
