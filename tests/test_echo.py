@@ -564,7 +564,7 @@ def test_a_short_stop_under_louder_echo_is_heard_before_its_vowel(parts, far_end
     hops) of the user's first sound, and not before it. Silero scores the "st" 0.05-0.45 until the vowel and the
     broadband ratio stays under the threshold under the echo's vowels, while the high band is mostly the
     user's: on main (449869f) the onset came 78 ms (Piper) and 156 and 172 ms (espeak-ng, with the vowel)
-    after the first sound; with the strong high-band test (:meth:`EchoCanceller._hb_strong`), 44-46 ms
+    after the first sound; with the strong high-band test (:meth:`EchoCanceller._hb_strong_deficit_db`), 44-46 ms
     (measured here)."""
     from appliance.bench import interruption as bench
     from appliance.audio.files import first_above
