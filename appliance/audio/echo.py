@@ -927,6 +927,10 @@ class EchoCanceller:
         if t is None:
             return False
         r, threshold, _, _, _, hb_passed = t
+        # This check is the previous one for near_end_present's soft pass (within GATE_SOFT_DB of the threshold
+        # in two consecutive checks 16 ms apart), as a gate check would be: see near_end_present.
+        soft = r >= threshold - GATE_SOFT_DB and not self._just_handed_over() and self.echo_floor_db() is not None
+        self._last_soft = self.frames if soft else None
         strong = self._hb_strong_deficit_db(t, n)
         passed = bool((threshold <= r and hb_passed or strong is not None and strong <= 0.0) and r <= OVER_DB)
         if passed:
