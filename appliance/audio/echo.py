@@ -806,8 +806,12 @@ class EchoCanceller:
           user's fricative, plosive or breath ("stop", "hold on") is quiet next to the echo's vowels, so the
           broadband ratio stays low until the user's own vowel, but above 2 kHz the canceller leaves little
           of a linear echo, and the user's consonant fills that band;
-        - strong high band (:meth:`_hb_strong_deficit_db`, Speex converged, not in the strict period below): the ratio
-          there ``HB_STRONG_DB`` above that threshold, over a high band down to 18 dB under its usual level.
+        - strong high band (:meth:`_hb_strong_deficit_db`, Speex converged, not in the strict period below): the
+          ratio there ``HB_STRONG_DB`` above that threshold, over a high band down to 18 dB under its usual
+          level, or here, where the VAD has taken the window for speech, ``HB_SURE_DB`` above it.
+
+        The soft pass's previous check may be this method's or :meth:`near_end_clear`'s (a window the VAD
+        scored between ``onset_low_threshold`` and its threshold, 16 ms earlier).
 
         Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
         (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
@@ -910,8 +914,12 @@ class EchoCanceller:
         """The strict double-talk test, for a window the VAD is unsure of while the far end plays: True when
         both of :meth:`near_end_present`'s first two tests pass at once, the broadband ratio at or above
         :meth:`gate_threshold_db` (no soft pass) and the high-band test, or when the strong high-band test
-        (:meth:`_hb_strong_deficit_db`) passes. False while the far end is silent or before any frame: then there is no
-        echo to tell the user from, and the VAD alone decides.
+        (:meth:`_hb_strong_deficit_db`, plain or held) passes. False while the far end is silent or before any
+        frame: then there is no echo to tell the user from, and the VAD alone decides. A window within
+        ``GATE_SOFT_DB`` of the threshold counts as the previous check of :meth:`near_end_present`'s soft pass:
+        measured here, offline (the bench's barge-ins, 7 Piper renderings of the replies), en-us+f3 "Wait."
+        under echo 6 dB louder scored 0.2-0.5 and then 0.5 or more 16 ms later, within 6 dB of the threshold
+        both times, and was refused until 20 ms later.
 
         Why both (measured here, offline, on the bench's voices, echo path and canceller, with the floors'
         first form and the high band at −20 dB): over 48 echo-only replies (5.6 min, echo at 0, +6 and

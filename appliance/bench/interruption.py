@@ -466,7 +466,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     out.resumed = bool(resumed) and not out.flushed
     if speech and resumed:
         out.resume_gap_ms = round((resumed[-1]["t"] - speech[0]["end_t"]) * 1000.0, 1)
-    if echo is not None and getattr(echo, "gate_log", None):
+    if echo is not None and (getattr(echo, "gate_log", None) or getattr(echo, "clear_log", None)):
         # The onset gate's refusals: near the interjection's onset (ms after it), and the closest the echo
         # alone came to the threshold (headroom, dB) in the whole scenario.
         ms = lambda g: (g.frame - frame0) * 10.0  # noqa: E731  (a GateRow's time in the scenario, ms)
