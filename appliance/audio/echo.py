@@ -810,9 +810,6 @@ class EchoCanceller:
           ratio there ``HB_STRONG_DB`` above that threshold, over a high band down to 18 dB under its usual
           level, or here, where the VAD has taken the window for speech, ``HB_SURE_DB`` above it.
 
-        The soft pass's previous check may be this method's or :meth:`near_end_clear`'s (a window the VAD
-        scored between ``onset_low_threshold`` and its threshold, 16 ms earlier).
-
         Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
         (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
         speech adds to the input as much as to the output, so it stays near 0 dB), and what the VAD heard
@@ -915,11 +912,7 @@ class EchoCanceller:
         both of :meth:`near_end_present`'s first two tests pass at once, the broadband ratio at or above
         :meth:`gate_threshold_db` (no soft pass) and the high-band test, or when the strong high-band test
         (:meth:`_hb_strong_deficit_db`, plain or held) passes. False while the far end is silent or before any
-        frame: then there is no echo to tell the user from, and the VAD alone decides. A window within
-        ``GATE_SOFT_DB`` of the threshold counts as the previous check of :meth:`near_end_present`'s soft pass:
-        measured here, offline (the bench's barge-ins, 7 Piper renderings of the replies), en-us+f3 "Wait."
-        under echo 6 dB louder scored 0.2-0.5 and then 0.5 or more 16 ms later, within 6 dB of the threshold
-        both times, and was refused until 20 ms later.
+        frame: then there is no echo to tell the user from, and the VAD alone decides.
 
         Why both (measured here, offline, on the bench's voices, echo path and canceller, with the floors'
         first form and the high band at −20 dB): over 48 echo-only replies (5.6 min, echo at 0, +6 and
@@ -935,10 +928,6 @@ class EchoCanceller:
         if t is None:
             return False
         r, threshold, _, _, _, hb_passed = t
-        # This check is the previous one for near_end_present's soft pass (within GATE_SOFT_DB of the threshold
-        # in two consecutive checks 16 ms apart), as a gate check would be: see near_end_present.
-        soft = r >= threshold - GATE_SOFT_DB and not self._just_handed_over() and self.echo_floor_db() is not None
-        self._last_soft = self.frames if soft else None
         strong = self._hb_strong_deficit_db(t, n)
         passed = bool((threshold <= r and hb_passed or strong is not None and strong <= 0.0) and r <= OVER_DB)
         if passed:
