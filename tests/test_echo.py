@@ -354,11 +354,14 @@ def test_strict_near_end_test_needs_both_bands_and_a_far_end():
 
 
 def test_the_strong_high_band_test_passes_a_quiet_consonant_mostly_not_echo():
-    """The strong high-band test on set frame energies (high-band threshold -16 dB): a high band 10 dB or
-    more above it passes either double-talk test alone, over a high band down to 18 dB under its usual
-    level (the plain high-band test: 10 dB) and a broadband ratio down to -24 dB; not in the strict period
-    after the hand-over, and not with AEC3."""
-    ec = EchoCanceller("speex", gate_db=-10.0)
+    """The strong high-band test on set frame energies (high-band threshold -16 dB), in its three forms
+    (:meth:`EchoCanceller._hb_strong_deficit_db`): plain, a high band 10 dB or more above the threshold over a
+    high band down to 18 dB under its usual level (the plain high-band test: 10 dB) and a broadband ratio down
+    to -22 dB, passes either double-talk test alone; held, the same down to -30 dB broadband where the window
+    20 ms earlier passed the plain form; sure, in the onset gate only (a window the VAD took for speech), a
+    high band 6 dB above the threshold with no broadband bound. Never in the strict period after the
+    hand-over, nor with AEC3; the gate's rows log the shortfall (``GateRow.strong_db``)."""
+    ec = EchoCanceller("speex", gate_db=-10.0, record=True)
     ec.warm = True
     ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
     ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200
@@ -375,12 +378,19 @@ def test_the_strong_high_band_test_passes_a_quiet_consonant_mostly_not_echo():
         return ec.near_end_present(), ec.near_end_clear()
 
     assert check(-20.0, -5.0, -15.0) == (True, True)  # a nasal's onset under louder echo
-    assert check(-20.0, -8.0, -15.0) == (False, False)  # 8 dB above the threshold: not strong
+    assert (ec.gate_log[-1].strong_db, ec.clear_log[-1].strong_db) == (-3.0, -1.0)  # shortfalls, dB: passed
+    assert check(-20.0, -12.0, -15.0) == (False, False)  # 4 dB above the threshold: not strong in any form
+    assert ec.gate_log[-1].strong_db == 2.0 and ec.clear_log[-1].strong_db == 6.0  # sure 6 dB, plain 10 dB
+    assert check(-20.0, -8.0, -15.0) == (True, False)  # 8 dB above it: the gate's sure form only
     assert check(-20.0, -5.0, -20.0) == (False, False)  # a high band 20 dB under its usual level
-    assert check(-26.0, -5.0, -15.0) == (False, False)  # the window mostly cancelled echo
+    assert check(-26.0, -5.0, -15.0, n=5) == (True, False)  # mostly cancelled echo broadband: the gate's sure form
+    assert check(-20.0, -5.0, -15.0) == (True, True)
+    assert check(-26.0, -5.0, -15.0, n=2) == (True, True)  # ... but 20 ms after a plain pass: held
+    assert check(-34.0, -5.0, -15.0, n=2) == (True, False)  # held only down to -30 dB broadband
     assert check(-20.0, -12.0, 0.0) == (True, False)  # the plain high-band test: the gate only
     ec.handovers, ec._handover_far = 1, ec._far_frames  # Speex has just taken over from the stand-in
     assert check(-20.0, -5.0, -15.0) == (False, False)
+    assert ec.clear_log[-1].strong_db is None  # off
     ec._handover_far = -10_000
     assert check(-20.0, -5.0, -15.0) == (True, True)
     aec3 = EchoCanceller("webrtc", gate_db=-10.0)
@@ -556,28 +566,24 @@ def test_the_strict_gate_after_the_hand_over_ends_with_the_reply_of_the_hand_ove
     assert not ec._just_handed_over()
 
 
-@pytest.mark.parametrize("voice", ["joe", "en-us+f3", "en-gb+m3"])
-def test_a_short_stop_under_louder_echo_is_heard_before_its_vowel(parts, far_end, tmp_path, voice):
-    """A converged canceller (a whole reply played before, then a 1.2 s silence, as between two replies),
-    the next reply's echo 6 dB louder than the user, and the user's "Stop." (the bench's three voices)
-    1.5 s into it: the product's segmenter and onset gate must start the barge-in within 64 ms (four VAD
-    hops) of the user's first sound, and not before it. Silero scores the "st" 0.05-0.45 until the vowel and the
-    broadband ratio stays under the threshold under the echo's vowels, while the high band is mostly the
-    user's: on main (449869f) the onset came 78 ms (Piper) and 156 and 172 ms (espeak-ng, with the vowel)
-    after the first sound; with the strong high-band test (:meth:`EchoCanceller._hb_strong`), 44-46 ms
-    (measured here)."""
+def _short_stop_onset_ms(parts, far_end, tmp_path, word: str, voice: str, at_s: float) -> float:
+    """A converged canceller (a whole reply played before, then a 1.2 s silence, as between two replies), the
+    next reply's echo 6 dB louder than the user, and the user's ``word`` in ``voice`` ``at_s`` seconds into
+    it, through the product's segmenter and onset gate. Asserts no onset on the echo before the user, past
+    the strict period of the hand-over. :returns: the first onset's window end after the user's first sound
+    (-40 dBFS), ms."""
     from appliance.bench import interruption as bench
     from appliance.audio.files import first_above
 
     if voice == "joe":  # Piper, with no noise: the same samples every run (see far_end)
-        user = bench.at_level(fixed_speech(parts.tts, "Stop."), bench.USER_DBFS)
+        user = bench.at_level(fixed_speech(parts.tts, word), bench.USER_DBFS)
     else:  # espeak-ng renders the same samples every run
-        user = bench.AudioCache(tmp_path, parts.tts).speech("Stop.", voice)
+        user = bench.AudioCache(tmp_path, parts.tts).speech(word, voice)
     gain = bench.USER_DBFS + 6.0 - bench.active_dbfs(far_end)
     gap = np.zeros(16000 * 12 // 10, np.float32)
     far = np.concatenate([far_end, gap, far_end])
     mic, room = through_room(far, gain)
-    at = len(far_end) + len(gap) + 16000 * 15 // 10
+    at = len(far_end) + len(gap) + int(round(16000 * at_s))
     mic = mic.copy()
     mic[at : at + len(user)] += user[: len(mic) - at]
     onset_true = at + first_above(user, -40.0)
@@ -592,7 +598,34 @@ def test_a_short_stop_under_louder_echo_is_heard_before_its_vowel(parts, far_end
                    if e.kind == "onset"]  # the window's end: when the segmenter could know
     assert ec.warm and not ec._just_handed_over()  # Speex serves, past the strict period of the hand-over
     assert onsets and onsets[0] >= onset_true - FRAME, onsets  # no onset on the echo before the user
-    assert (onsets[0] - onset_true) / 16.0 <= 64.0, (onsets[0] - onset_true) / 16.0
+    return (onsets[0] - onset_true) / 16.0
+
+
+@pytest.mark.parametrize("voice", ["joe", "en-us+f3", "en-gb+m3"])
+def test_a_short_stop_under_louder_echo_is_heard_before_its_vowel(parts, far_end, tmp_path, voice):
+    """The user's "Stop." (the bench's three voices) 1.5 s into a reply whose echo is 6 dB louder
+    (:func:`_short_stop_onset_ms`): the barge-in must start within 64 ms (four VAD hops) of the user's first
+    sound. Silero scores the "st" 0.05-0.45 until the vowel and the broadband ratio stays under the threshold
+    under the echo's vowels, while the high band is mostly the user's: on main (449869f) the onset came 78 ms
+    (Piper) and 156 and 172 ms (espeak-ng, with the vowel) after the first sound; with the strong high-band
+    test (:meth:`EchoCanceller._hb_strong_deficit_db`), 44-46 ms (measured here)."""
+    assert _short_stop_onset_ms(parts, far_end, tmp_path, "Stop.", voice, 1.5) <= 64.0
+
+
+@pytest.mark.parametrize("word, voice, at_s, bound_ms", [("No.", "en-us+f3", 1.0, 64.0),
+                                                         ("Stop.", "en-gb+m3", 1.0, 96.0)])
+def test_a_nasal_or_a_late_vowel_under_louder_echo_is_heard_before_the_vowel(parts, far_end, tmp_path, word,
+                                                                             voice, at_s, bound_ms):
+    """The strong high-band test's held and sure forms (:meth:`EchoCanceller._hb_strong_deficit_db`), in the
+    setup of :func:`_short_stop_onset_ms`:
+
+    - "No." (en-us+f3) 1.0 s in: Silero takes the nasal for speech 30 ms in, where its high band sits 8 dB
+      above the threshold, 14 dB under its usual level, at -27 dB broadband: the plain form refused it and the
+      onset waited for the vowel, 93 ms (ab4a1a5, measured here); the gate's sure form takes it at 29 ms;
+    - "Stop." (en-gb+m3) 1.0 s in: the "st" passed the plain form while Silero scored it under 0.2; when the
+      score reached 0.2, 80 ms in, the broadband ratio had fallen to -22.6 dB, and the onset waited for the
+      vowel, 144 ms (ab4a1a5); the held form takes it at 80 ms."""
+    assert _short_stop_onset_ms(parts, far_end, tmp_path, word, voice, at_s) <= bound_ms
 
 
 def _drifting_clipping_room(far: np.ndarray) -> np.ndarray:

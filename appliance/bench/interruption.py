@@ -375,6 +375,7 @@ class Outcome:
     gate_headroom_db: Optional[float] = None  # min over echo-only windows the gate refused: threshold − ratio
     gate_hb_headroom_db: Optional[float] = None  # ... the same for its high-band test, where its level allowed it
     gate_both_headroom_db: Optional[float] = None  # ... for the early-onset test (both bands at once)
+    gate_strong_headroom_db: Optional[float] = None  # ... for the strong high-band test, either check, where it was on
     early_onsets: int = 0  # candidates started below Silero's threshold on the strict near-end test
     segments: list = field(default_factory=list)  # (samples, played) per segment of the reply
     output: Optional[np.ndarray] = None
@@ -465,7 +466,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     out.resumed = bool(resumed) and not out.flushed
     if speech and resumed:
         out.resume_gap_ms = round((resumed[-1]["t"] - speech[0]["end_t"]) * 1000.0, 1)
-    if echo is not None and getattr(echo, "gate_log", None):
+    if echo is not None and (getattr(echo, "gate_log", None) or getattr(echo, "clear_log", None)):
         # The onset gate's refusals: near the interjection's onset (ms after it), and the closest the echo
         # alone came to the threshold (headroom, dB) in the whole scenario.
         ms = lambda g: (g.frame - frame0) * 10.0  # noqa: E731  (a GateRow's time in the scenario, ms)
@@ -487,6 +488,12 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
                 and g.hb_ratio_db is not None and g.hb_level_db is not None and g.hb_level_db >= HB_MIN_REL_DB
                 and np.isfinite(g.hb_threshold_db)]
         out.gate_both_headroom_db = round(min(both), 1) if both else None
+        # The strong high-band test (either check may pass on it alone; EchoCanceller._hb_strong_deficit_db):
+        # how far the echo alone came from passing it, where it was on (Speex converged, past the strict period).
+        strong = [g.strong_db for g in refused + [c for c in echo.clear_log if not c.passed]
+                  if getattr(g, "strong_db", None) is not None
+                  and (not speech or ms(g) < speech[0]["onset_t"] * 1000.0 - 50)]
+        out.gate_strong_headroom_db = round(min(strong), 1) if strong else None
     if case.kind in ("barge_in", "cold_barge_in") and out.valid and speech and not out.flushed:
         # Why was it missed? (diagnostics for the per-scenario line; the count is unchanged)
         drained = [r for r in recs if r["event"] == "turn_end" and not r.get("interrupted")]
@@ -596,6 +603,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
             (o.gate_hb_headroom_db for o in outcomes if o.gate_hb_headroom_db is not None), default=None),
         "onset_early_min_headroom_db": min(
             (o.gate_both_headroom_db for o in outcomes if o.gate_both_headroom_db is not None), default=None),
+        "onset_strong_min_headroom_db": min(
+            (o.gate_strong_headroom_db for o in outcomes if o.gate_strong_headroom_db is not None), default=None),
         "early_onsets": {"count": sum(o.early_onsets for o in outcomes),
                          "barge_in": sum(o.early_onsets for o in barge + ss)},
         "erle_db": round(10 * np.log10(max(num, 1e-20) / max(den, 1e-20)), 1) if den > 0 else None,
@@ -638,7 +647,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
         print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} stand_in_ms={o.stand_in_ms} flushed={o.flushed} resumed={o.resumed} "
-                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} split={o.barge.get('split') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
+                   f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} split={o.barge.get('split') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db}/{o.gate_strong_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
                    + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
     summary = summarise(outcomes, costs)
