@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -60,18 +61,24 @@ def test_bench_idle_cpu_measures_the_listening_service_and_its_worker(tmp_path):
 
 # --- the VAD while nobody is answered: one Silero stream ---
 
-def _speech_with_pauses():
-    """The demo's question and "Wait." and a human recording if there is one, 0.3-1.2 s apart, over a −70 dBFS
-    noise floor: onsets, confirmed starts, pauses inside a turn and ends."""
+def _speech_clips() -> list:
+    """The demo's question and "Wait." and a human recording if there is one (ALSA's Front_Center.wav), 16 kHz."""
     from pathlib import Path
 
     from appliance.audio.files import load_audio
 
     demo = Path(__file__).resolve().parent.parent / "demo"
-    parts = [load_audio(demo / "question.wav"), load_audio(demo / "wait.wav")]
+    clips = [load_audio(demo / "question.wav"), load_audio(demo / "wait.wav")]
     alsa = Path("/usr/share/sounds/alsa/Front_Center.wav")
     if alsa.exists():
-        parts.append(load_audio(alsa))
+        clips.append(load_audio(alsa))
+    return clips
+
+
+def _speech_with_pauses():
+    """The demo's question and "Wait." and a human recording if there is one, 0.3-1.2 s apart, over a −70 dBFS
+    noise floor: onsets, confirmed starts, pauses inside a turn and ends."""
+    parts = _speech_clips()
     gaps = [0.5, 0.3, 1.2, 0.7]
     out = [np.zeros(8000, np.float32)]
     for k, a in enumerate(parts * 2):
@@ -152,25 +159,20 @@ def test_the_listener_runs_both_streams_and_every_window_only_while_the_applianc
 
 # --- the VAD in a quiet room: windows at the noise floor are not run ---
 
-def _quiet_room_speech(level_dbfs: float, floor_dbfs: float, gaps=(15.0, 12.0, 18.0, 14.0)):
-    """The demo's question and "Wait." and a human recording if there is one, each at ``level_dbfs`` (RMS
-    of its active part), 12-18 s apart (a room where nobody talks most of the time), over a white
-    ``floor_dbfs`` noise floor."""
-    from pathlib import Path
-
-    from appliance.audio.files import load_audio
-
-    demo = Path(__file__).resolve().parent.parent / "demo"
-    parts = [load_audio(demo / "question.wav"), load_audio(demo / "wait.wav")]
-    alsa = Path("/usr/share/sounds/alsa/Front_Center.wav")
-    if alsa.exists():
-        parts.append(load_audio(alsa))
-    out = [np.zeros(4 * 16000, np.float32)]
-    for k, a in enumerate(parts * 2):
+def _quiet_room_speech(level_dbfs: float, floor_dbfs: Optional[float], gaps=(15.0, 12.0, 18.0, 14.0),
+                       lead_s: float = 4.0, repeat: int = 2):
+    """:func:`_speech_clips` ``repeat`` times, each at ``level_dbfs`` (RMS of its active part), after ``lead_s``
+    of silence and ``gaps`` (s, in turn) apart (by default 12-18 s: a room where nobody talks most of the
+    time), over a white ``floor_dbfs`` noise floor (None: none), 16 kHz float32."""
+    parts = _speech_clips()
+    out = [np.zeros(int(lead_s * 16000), np.float32)]
+    for k, a in enumerate(parts * repeat):
         active = a[np.abs(a) > 0.01 * np.abs(a).max()]
         a = a * 10 ** ((level_dbfs - 10 * np.log10(np.mean(active ** 2))) / 20)
         out += [a.astype(np.float32), np.zeros(int(gaps[k % len(gaps)] * 16000), np.float32)]
     x = np.concatenate(out)
+    if floor_dbfs is None:
+        return x
     return x + (10 ** (floor_dbfs / 20) * np.random.default_rng(1).standard_normal(len(x))).astype(np.float32)
 
 
@@ -597,27 +599,15 @@ def test_the_floors_longer_messages_leave_every_onset_on_its_sample():
     its bypass, Silero, the segmenter; ``ATTEND`` fed back from its onsets and ends). With the room's floor
     (200 ms messages there) the VAD's onsets are the same samples as with 6 blocks to every message, and the
     service gets fewer messages."""
-    from pathlib import Path
-
     from appliance.audio.device.host import _Stream
     from appliance.audio.device.worker import InputBatcher
     from appliance.audio.echo import from_config
-    from appliance.audio.files import load_audio, resample
+    from appliance.audio.files import resample
     from appliance.config import Config
     from appliance.pipeline import Listener
     from appliance.vad import SileroVad, VadSegmenter
 
-    demo = Path(__file__).resolve().parent.parent / "demo"
-    clips = [load_audio(demo / "question.wav"), load_audio(demo / "wait.wav")]
-    alsa = Path("/usr/share/sounds/alsa/Front_Center.wav")
-    if alsa.exists():
-        clips.append(load_audio(alsa))
-    parts = [np.zeros(6 * 16000, np.float32)]
-    for k, c in enumerate(clips):
-        active = c[np.abs(c) > 0.01 * np.abs(c).max()]
-        parts += [(c * 10 ** ((-35.0 - 10 * np.log10(np.mean(active ** 2))) / 20)).astype(np.float32),
-                  np.zeros((6 + 2 * (k % 2)) * 16000, np.float32)]
-    room = resample(np.concatenate(parts), 16000, 48000)
+    room = resample(_quiet_room_speech(-35.0, None, gaps=(6.0, 8.0), lead_s=6.0, repeat=1), 16000, 48000)
     room = (room + 10 ** (-70 / 20) * np.random.default_rng(7).standard_normal(len(room))).astype(np.float32)
     cfg = Config()
 
@@ -645,7 +635,7 @@ def test_the_floors_longer_messages_leave_every_onset_on_its_sample():
 
     onsets, messages = listen(floor=False)
     onsets_floor, messages_floor = listen(floor=True)
-    assert len(onsets) >= len(clips)
+    assert len(onsets) >= len(_speech_clips())
     assert onsets_floor == onsets
     # measured here: 421 of 574 (3 clips; after each utterance 3 s to learn the floor again, as after a reply)
     assert messages_floor < 0.8 * messages, (messages_floor, messages)
