@@ -718,13 +718,15 @@ class EchoCanceller:
         the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
         return self.stand_in_active and self._far_energy_recent(MODEL_RATE) >= 1e-9
 
-    def near_end_ratio_db(self, n: int = 512) -> Optional[float]:
+    def near_end_ratio_db(self, n: int = 512, ago: int = 0) -> Optional[float]:
         """Output-to-input energy ratio over the last ``n`` processed samples, dB: about −ERLE while only
-        echo reaches the microphone, near 0 dB when the near end (the user) dominates. None before any frame."""
-        if not self._ratio_in:
-            return None
+        echo reaches the microphone, near 0 dB when the near end (the user) dominates. None before any frame.
+        ``ago`` > 0: over the ``n``-sample window that ended that many 10 ms frames before the newest (None
+        unless the frames kept hold all of it)."""
         k = max(1, n // FRAME)
-        return _ratio_db(sum(self._ratio_out[-k:]), sum(self._ratio_in[-k:]))
+        if not self._ratio_in or ago and len(self._ratio_in) < k + ago:
+            return None
+        return _ratio_db(sum(_span(self._ratio_out, k, ago)), sum(_span(self._ratio_in, k, ago)))
 
     def echo_floor_db(self) -> Optional[float]:
         """The output-to-input energy ratio of the last 2 s of frames with the far end active but the
@@ -741,26 +743,31 @@ class EchoCanceller:
             return self.gate_db
         return float(min(GATE_MAX_DB, max(self.gate_db, floor + self.gate_margin_db)))
 
-    def high_band_ratio_db(self, n: int = 512) -> Optional[float]:
-        """Like :meth:`near_end_ratio_db` over the band above ``HB_HZ`` only, dB; None before any frame or
-        when the microphone's high band is quieter than ``HB_MIN_POWER`` (the ratio would be noise)."""
+    def high_band_ratio_db(self, n: int = 512, ago: int = 0) -> Optional[float]:
+        """Like :meth:`near_end_ratio_db` (``ago`` too) over the band above ``HB_HZ`` only, dB; None before any
+        frame or when the microphone's high band is quieter than ``HB_MIN_POWER`` (the ratio would be noise)."""
         if not self._hb_in:
             return None
         self._fill_bands()
         k = max(1, n // FRAME)
-        e_in = sum(self._hb_in[-k:])
+        if ago and len(self._hb_in) < k + ago:
+            return None
+        e_in = sum(_span(self._hb_in, k, ago))
         if e_in < HB_MIN_POWER * k * FRAME:
             return None
-        return _ratio_db(sum(self._hb_out[-k:]), e_in)
+        return _ratio_db(sum(_span(self._hb_out, k, ago)), e_in)
 
-    def high_band_level_db(self, n: int = 512) -> Optional[float]:
-        """The microphone's high-band power over the last ``n`` samples relative to its mean over the last
-        2 s of far-end frames but the newest 300 ms, dB; None before 0.5 s of those."""
+    def high_band_level_db(self, n: int = 512, ago: int = 0) -> Optional[float]:
+        """The microphone's high-band power over the last ``n`` samples (``ago``: as :meth:`near_end_ratio_db`)
+        relative to its mean over the last 2 s of far-end frames but the newest 300 ms, dB; None before 0.5 s
+        of those."""
         if len(self._lt_hb_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4 or not self._hb_in:
             return None
         self._fill_bands()
         k = max(1, n // FRAME)
-        now = sum(self._hb_in[-k:]) / k
+        if ago and len(self._hb_in) < k + ago:
+            return None
+        now = sum(_span(self._hb_in, k, ago)) / k
         kept = self._lt_hb_in[:-FLOOR_LAG_FRAMES]  # not the newest 300 ms, as for the floor (_floor_db)
         usual = sum(kept) / len(kept)
         return 10.0 * np.log10((now + 1e-20) / (usual + 1e-20))
@@ -993,18 +1000,10 @@ class EchoCanceller:
         """The broadband ratio, high-band ratio and high-band level (dB, as :meth:`near_end_ratio_db`,
         :meth:`high_band_ratio_db` and :meth:`high_band_level_db` take them) of the ``n``-sample window that
         ended ``ago`` frames before the newest; None where one of them is unknown there."""
-        k = max(1, n // FRAME)
-        if len(self._ratio_in) < k + ago or len(self._lt_hb_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
+        if len(self._ratio_in) < max(1, n // FRAME) + ago:
             return None
-        self._fill_bands()
-        sl = slice(len(self._ratio_in) - k - ago, len(self._ratio_in) - ago)
-        hb_in = sum(self._hb_in[sl])
-        if hb_in < HB_MIN_POWER * k * FRAME:
-            return None
-        kept = self._lt_hb_in[:-FLOOR_LAG_FRAMES]
-        level = 10.0 * np.log10((hb_in / k + 1e-20) / (sum(kept) / len(kept) + 1e-20))
-        return _ratio_db(sum(self._ratio_out[sl]), sum(self._ratio_in[sl])), _ratio_db(sum(self._hb_out[sl]), hb_in), \
-            level
+        figures = (self.near_end_ratio_db(n, ago), self.high_band_ratio_db(n, ago), self.high_band_level_db(n, ago))
+        return None if None in figures else figures
 
     def _keep_onset_out(self) -> None:
         """The gate has just taken the last window for the user: take the newest ``FLOOR_LAG_FRAMES`` of
@@ -1076,6 +1075,11 @@ class GateRow(NamedTuple):
     level_db: Optional[float] = None  # the newest 20 ms's level relative to the usual level (EchoCanceller.level_db)
     strong_db: Optional[float] = None  # how far the strong high-band test was from passing (<= 0: it passed); None:
     #   the test was off (EchoCanceller._hb_strong_deficit_db)
+
+
+def _span(frames: list, k: int, ago: int) -> list:
+    """The ``k`` per-frame figures that ended ``ago`` frames before the newest (fewer where the list is short)."""
+    return frames[max(0, len(frames) - k - ago):len(frames) - ago]
 
 
 def _ratio_db(e_out: float, e_in: float) -> float:
