@@ -505,15 +505,14 @@ class _LowerLevelFormatter(logging.Formatter):
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     under_systemd = bool(os.environ.get("INVOCATION_ID") or os.environ.get("JOURNAL_STREAM"))
+    handler = logging.StreamHandler()
     if under_systemd:  # journald adds the time
-        fmt = "%(levelname)s %(name)s: %(message)s"
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     elif args.command == "run" or args.verbose:  # a service's log, on a terminal
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     else:  # a one-off command: its warnings read as its errors do ("warning: FILE: what; the fix")
-        fmt = None
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format=fmt)
-    if fmt is None:
-        logging.getLogger().handlers[0].setFormatter(_LowerLevelFormatter())
+        handler.setFormatter(_LowerLevelFormatter())
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler])
     try:
         return args.func(args)
     except UserError as exc:
