@@ -62,7 +62,7 @@ def pauses(records: list[dict]) -> list[dict]:
 
     :returns: one dict per pause, in order: ``t`` (s, the pause), ``audio_t`` (s or None), ``speech`` (the
         ``user_speech`` record or None), ``resumed`` / ``flushed`` (what ended the pause, else False) and
-        ``resume_t`` (s or None).
+        ``resume`` (the ``resumed`` record or None).
     """
     speech = [r for r in records if r["event"] == "user_speech"]
     result: list[dict] = []
@@ -79,11 +79,11 @@ def pauses(records: list[dict]) -> list[dict]:
             else:
                 cause = [s for s in speech if s["onset_t"] <= r["t"] + 0.05]
             result.append({"t": r["t"], "audio_t": audio_t, "speech": cause[-1] if cause else None,
-                           "resumed": False, "flushed": False, "resume_t": None})
+                           "resumed": False, "flushed": False, "resume": None})
         elif ev in ("resumed", "flushed") and result and not (result[-1]["resumed"] or result[-1]["flushed"]):
             result[-1][ev] = True
             if ev == "resumed":
-                result[-1]["resume_t"] = r["t"]
+                result[-1]["resume"] = r
     return result
 
 
@@ -110,7 +110,7 @@ def self_pauses(records: list[dict]) -> list[dict]:
     ``t`` and ``audio_t`` (s), ``resumed`` / ``flushed`` (bool) and ``paused_ms`` (from pause to resume, ms,
     or None)."""
     return [{"t": p["t"], "audio_t": p["audio_t"], "resumed": p["resumed"], "flushed": p["flushed"],
-             "paused_ms": round((p["resume_t"] - p["t"]) * 1000.0, 1) if p["resume_t"] is not None else None}
+             "paused_ms": round((p["resume"]["t"] - p["t"]) * 1000.0, 1) if p["resume"] is not None else None}
             for p in pauses(records) if p["speech"] is None]
 
 
@@ -118,12 +118,11 @@ def resumes(records: list[dict]) -> list[dict]:
     """Each resume after a pause the user's speech caused (:func:`pauses`), with that interjection: the gap
     from its end (last sample above −40 dBFS of the injected file) to the resume, ms, and what the
     classifier heard. Resumes after a pause on the reply's own voice are in :func:`self_pauses`."""
-    heard = {r["t"]: r for r in records if r["event"] == "resumed"}
     result = []
     for p in pauses(records):
         if p["speech"] is None or not p["resumed"]:
             continue
-        r = heard[p["resume_t"]]
+        r = p["resume"]
         end_t = p["speech"]["end_t"]
         result.append({"end_t": end_t, "gap_ms": round((r["t"] - end_t) * 1000.0, 1),
                        "reason": r.get("reason"), "heard": r.get("heard")})

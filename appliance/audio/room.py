@@ -288,7 +288,7 @@ class Scenario:
                             "noise, noise_gain_db; see docs/replay.md)")
         allowed = ["echo_gain_db", "echo_delay_ms", "rt60_ms", "impulse_response", "noise", "noise_gain_db"]
         room_lines = _key_lines(_top(node, "room"))
-        line_of = lambda k: f"line {room_lines[k]}: " if k in room_lines else ""  # noqa: E731
+        line_of = lambda k: _line_prefix([k], room_lines)  # noqa: E731
         extra = set(r) - set(allowed)
         if extra:
             raise UserError(f"{path}: {_line_prefix(extra, room_lines)}room: unknown key(s) {sorted(extra)}"
