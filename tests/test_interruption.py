@@ -269,8 +269,9 @@ def test_half_hop_vad_is_two_silero_streams_on_back_to_back_windows(ctx):
 
 
 def test_half_hop_onset_is_never_later_than_the_single_stream(utterances):
-    # Stream 0 of the half hop is the single stream itself, so its onset can only come earlier; on the
-    # bench's voices it comes 0 or 16 ms earlier.
+    # Stream 0 of the half hop is the single stream itself, so its onset can only come earlier. How much
+    # earlier depends on Silero's scores near its threshold, which differ in the last digits between CPUs
+    # (here 0 or 16 ms on the bench's voices; CI once saw 48 ms on en-us joe "Stop."), so only "some" is asserted.
     gains = []
     for text, voice, _, audio in utterances:
         signal = np.concatenate([np.zeros(8000 + 16 * len(gains) % 512, np.float32), audio, np.zeros(8000, np.float32)])
@@ -280,7 +281,7 @@ def test_half_hop_onset_is_never_later_than_the_single_stream(utterances):
             onsets[hop] = [e.t_sample + 512 for e in evs if e.kind == "onset"][0]  # window end
         assert onsets[256] <= onsets[512], (text, voice, onsets)
         gains.append(onsets[512] - onsets[256])
-    assert max(gains) == 256  # some onsets came one hop (16 ms) earlier
+    assert max(gains) >= 256  # some onsets came at least one hop (16 ms) earlier
 
 
 def test_keyword_classifier_hears_words_between_digital_silence(utterances):
