@@ -31,20 +31,29 @@ def _config(args: argparse.Namespace) -> Config:
         print(f"note: --embedded with --config {args.config}: its model, voice, gpio and history settings are "
               "replaced by the embedded defaults; the rest of it is used", file=sys.stderr)
         return embedded_config(load(args.config))
-    path = Path(args.config) if args.config else _default_config()
+    if args.config:
+        path = Path(args.config)
+    elif args.command == "run":  # run refuses --embedded (its model cannot hear): not offered as a fix
+        path = _default_config(RUN_NEEDS_CONFIG)
+    else:
+        path = _default_config() if hasattr(args, "embedded") else _default_config("give --config FILE")
     args.config_path = path
     return load(path)
 
 
-def _default_config(embedded_ok: bool = True) -> Path:
+RUN_NEEDS_CONFIG = ("give --config FILE naming a model that hears (model.gguf and model.mmproj; the commented "
+                    "default is config.yaml in the source tree), or try the embedded parts with `appliance replay` "
+                    "(`make demo`)")
+
+
+def _default_config(ways: str = "give --config FILE, or --embedded for the built-in defaults") -> Path:
     """:func:`appliance.config.default_config_path`, which must exist.
 
-    :raises UserError: neither place has a config (naming both and the ways out)."""
+    :param ways: the fixes the error offers (only ones that work for the command at hand).
+    :raises UserError: neither place has a config (naming both and ``ways``)."""
     path = default_config_path()
     if path is not None:
         return path
-    ways = ("give --config FILE, or --embedded for the built-in defaults" if embedded_ok
-            else "name the file: `appliance check-config FILE`")
     raise UserError(f"no config file: neither {DEFAULT_CONFIG_PATH} nor ./config.yaml exists; {ways}")
 
 
@@ -193,7 +202,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    path = Path(args.file or args.config or _default_config(embedded_ok=False))
+    path = Path(args.file or args.config or _default_config("name the file: `appliance check-config FILE`"))
     from .config import check
 
     cfg = check(path)  # the schema, then the sizes and the model files' headers

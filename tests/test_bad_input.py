@@ -207,3 +207,20 @@ def test_a_one_hour_wav_is_streamed_not_loaded(tmp_path):
     assert n == 180 * 16000
     # 180 s of 48 kHz mono float32 is 35 MB, read in blocks, then concatenated and resampled.
     assert peak_mb - base_mb <= 150, (base_mb, peak_mb)
+
+
+def _cli_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m appliance ARGS`` run from ``cwd`` (this checkout's package, whatever the directory)."""
+    return subprocess.run([sys.executable, "-m", "appliance", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_run_without_a_config_offers_only_fixes_run_takes(tmp_path):
+    """`appliance run` with no config anywhere offered --embedded, which run then refuses (text-only model)."""
+    if Path("/etc/appliance/config.yaml").exists():
+        pytest.skip("this machine has /etc/appliance/config.yaml")
+    r = _cli_in(tmp_path, "run")
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "no config file" in lines[0] and "--config FILE" in lines[0], lines[0]
+    assert "--embedded" not in lines[0], lines[0]
