@@ -31,6 +31,9 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
     if path.is_dir():
         raise UserError(f"{path}: is a directory; give a WAV of speech or a scenario .yaml")
     if path.suffix.lower() in (".yaml", ".yml"):
+        if transcript is not None:  # it would be silently ignored: a scenario's words are in its events
+            raise UserError(f"{path}: --transcript is for a WAV input; in a scenario, give each event's words as its "
+                            "`text:` (see the scenario format in docs/replay.md), and drop --transcript")
         return Scenario.load(path)
     scenario = Scenario.from_wav(path, text=transcript)
     if first_above(scenario.events[0].audio, -40.0) < 0:

@@ -145,6 +145,8 @@ CASES = [
      "line 3: duplicate key `at` in event 1 (also at line 2)"),
     ("scenario-not-utf8", lambda t: (_replay(p := _scenario(t, b"events:\n  - say: caf\xe9.wav\n"), t, "--embedded"), p),
      "iconv"),
+    ("scenario-with-transcript", lambda t: (_replay(p := _scenario(t, f"events:\n  - at: 0.5\n    say: {QUESTION}\n"), t,
+                                                     "--embedded", "--transcript", "hi"), p), "`text:`"),
     ("scenario-fifo", lambda t: (_replay(p := _fifo(t, "s.yaml"), t, "--embedded"), p), "not a regular file"),
     # audio
     ("audio-nan-inf", lambda t: (_replay(p := _nan_wav(t), t, "--embedded", "--transcript", "hi"), p), "NaN or infinite"),
