@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .audio.backends import open_port
-from .audio.files import MODEL_RATE, first_above, write_wav
+from .audio.files import MAX_SECONDS, MODEL_RATE, first_above, write_wav
 from .audio.room import Scenario
 from .config import Config
 from .errors import UserError
@@ -37,8 +37,23 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
         return Scenario.load(path)
     scenario = Scenario.from_wav(path, text=transcript)
     if first_above(scenario.events[0].audio, -40.0) < 0:
+        if _duration_s(path) > MAX_SECONDS:  # what comes after 180 s was never read: say so, not "no speech"
+            raise UserError(f"{path}: holds no speech in its first {MAX_SECONDS:.0f} s (no sample above -40 dBFS), and a "
+                            f"replay hears at most the first {MAX_SECONDS:.0f} s; cut the file so the speech starts "
+                            "in them")
         raise UserError(f"{path}: holds no speech (no sample above -40 dBFS); give a recording of someone speaking")
     return scenario
+
+
+def _duration_s(path: Path) -> float:
+    """The audio file's length, s, from its header (0.0 when the header does not say)."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+        return info.frames / info.samplerate if info.samplerate else 0.0
+    except Exception:  # it was read a moment ago; a header that will not say is not this check's error
+        return 0.0
 
 
 def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> float:

@@ -152,6 +152,10 @@ CASES = [
     ("audio-nan-inf", lambda t: (_replay(p := _nan_wav(t), t, "--embedded", "--transcript", "hi"), p), "NaN or infinite"),
     ("audio-no-speech", lambda t: (_replay(p := _wav(t, "silence.wav", np.zeros(32000, np.float32), subtype="PCM_16"),
                                            t, "--embedded", "--transcript", "hi"), p), "no speech"),
+    # speech that starts after the 180 s a replay reads was reported as "holds no speech"
+    ("audio-speech-after-180-s", lambda t: (_replay(p := _wav(t, "long.wav", np.concatenate([
+        np.zeros(16000 * 185, np.float32), 0.3 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 300)]).astype(np.float32),
+        subtype="PCM_16"), t, "--embedded", "--transcript", "hi"), p), "at most the first 180 s"),
     ("audio-fifo", lambda t: (_replay(p := _fifo(t, "a.wav"), t, "--embedded", "--transcript", "hi"), p),
      "not a regular file"),
     ("audio-not-audio", lambda t: (_replay(p := t / "x.wav", t, "--embedded", "--transcript", "hi"),
