@@ -65,17 +65,15 @@ def _name_the_config(message: str, args: argparse.Namespace) -> str:
     return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}")
 
 
-REPLAY_OUTPUTS = ("reply.wav", "timeline.jsonl", "report.json", "metrics.jsonl")
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     from .pipeline import Parts
-    from .replay import check_transcripts, load_input, replay
+    from .replay import OUTPUTS, check_outputs, check_transcripts, load_input, replay
 
     cfg = _config(args)
     scenario = load_input(args.input, args.transcript)  # fail fast on bad input, before seconds of model loading
     if not cfg.model.mmproj:
         check_transcripts(scenario, args.input)
+    check_outputs(scenario, args.input, args.out)  # before anything in --out is created or removed
     out = Path(args.out)
     created = not out.exists()
     try:
@@ -96,7 +94,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if created and not any(out.iterdir()):
             out.rmdir()  # a failed start leaves no empty output directory behind
         raise
-    for name in REPLAY_OUTPUTS:  # a replay into a used directory replaces the previous one's files, never mixes them
+    for name in OUTPUTS:  # a replay into a used directory replaces the previous one's files, never mixes them
         (out / name).unlink(missing_ok=True)
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
     try:

@@ -45,6 +45,24 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
     return scenario
 
 
+OUTPUTS = ("reply.wav", "timeline.jsonl", "report.json", "metrics.jsonl")  # what a replay writes into --out
+
+
+def check_outputs(scenario: Scenario, input_path: str | Path, out_dir: str | Path) -> None:
+    """Refuse a replay that would overwrite its own input: ``input_path`` (a WAV or the scenario) or a file the
+    scenario reads (say, noise, impulse response) is one of :data:`OUTPUTS` in ``out_dir``. Call it before
+    anything is created or removed.
+
+    :raises UserError: one line naming the file and the fix.
+    """
+    outputs = {(Path(out_dir) / name).resolve(): name for name in OUTPUTS}
+    for f in [Path(input_path), *scenario.files]:
+        name = outputs.get(f.resolve())
+        if name is not None:
+            raise UserError(f"{f}: the replay would overwrite it with its {name}; give another --out DIR, or move "
+                            "the file out of it")
+
+
 def _duration_s(path: Path) -> float:
     """The audio file's length, s, from its header (0.0 when the header does not say)."""
     import soundfile as sf
@@ -177,6 +195,7 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
     :raises UserError: bad input (scenario, audio files) or a text-only model with no transcript.
     """
     scenario = scenario if scenario is not None else load_input(input_path, transcript)
+    check_outputs(scenario, input_path, out_dir)
     hears = parts.engine.hears_audio
     if not hears:
         check_transcripts(scenario, input_path)

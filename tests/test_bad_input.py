@@ -230,3 +230,26 @@ def test_run_without_a_config_offers_only_fixes_run_takes(tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "no config file" in lines[0] and "--config FILE" in lines[0], lines[0]
     assert "--embedded" not in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("where", ["wav", "say", "noise"])
+def test_replay_refuses_to_overwrite_its_own_input(tmp_path, where):
+    """A WAV given as DIR/reply.wav with --out DIR (or a scenario's say: or noise: file there) was replaced by
+    the reply: refused in one line, before anything in DIR is touched."""
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = out / "reply.wav"
+    victim.write_bytes(QUESTION.read_bytes())
+    (out / "report.json").write_text("{}\n")  # an earlier run's report: kept too
+    if where == "wav":
+        argv, named = _replay(victim, tmp_path, "--embedded", "--transcript", "What is a rainbow?"), victim
+    else:
+        line = "  - at: 0.5\n    say: out/reply.wav\n    text: hi\n" if where == "say" else \
+            f"  - at: 0.5\n    say: {QUESTION}\n    text: hi\nroom:\n  noise: out/reply.wav\n"
+        argv, named = _replay(_scenario(tmp_path, "events:\n" + line), tmp_path, "--embedded"), "out/reply.wav"
+    rc, stderr, _, _ = run_cli(argv, tmp_path)
+    lines = stderr.splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert str(named) in lines[0] and "overwrite" in lines[0] and "--out" in lines[0], lines[0]
+    assert victim.read_bytes() == QUESTION.read_bytes()
+    assert (out / "report.json").read_text() == "{}\n"
