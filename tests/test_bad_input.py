@@ -147,6 +147,17 @@ CASES = [
      "iconv"),
     ("scenario-with-transcript", lambda t: (_replay(p := _scenario(t, f"events:\n  - at: 0.5\n    say: {QUESTION}\n"), t,
                                                      "--embedded", "--transcript", "hi"), p), "`text:`"),
+    # it waited the full 180 s, then blamed the audio
+    ("scenario-first-event-after-speaking", lambda t: (_replay(p := _scenario(
+        t, f"events:\n  - after: speaking\n    say: {QUESTION}\n    text: hi\n"), t, "--embedded"), p),
+     "line 2: event 1: `after: speaking` can never fire"),
+    ("scenario-after-thinking-behind-a-noise", lambda t: (_replay(p := _scenario(
+        t, f"events:\n  - at: 0.5\n    say: {QUESTION}\n    speech: false\n"
+           f"  - after: thinking\n    say: {QUESTION}\n    text: hi\n"), t, "--embedded"), p),
+     "line 5: event 2: `after: thinking` can never fire"),
+    ("scenario-rt60-and-impulse-response", lambda t: (_replay(p := _scenario(
+        t, f"events:\n  - at: 0.5\n    say: {QUESTION}\n    text: hi\nroom:\n  rt60_ms: 150\n"
+           f"  impulse_response: {QUESTION}\n"), t, "--embedded"), p), "line 6: room: give either rt60_ms"),
     ("scenario-fifo", lambda t: (_replay(p := _fifo(t, "s.yaml"), t, "--embedded"), p), "not a regular file"),
     # audio
     ("audio-nan-inf", lambda t: (_replay(p := _nan_wav(t), t, "--embedded", "--transcript", "hi"), p), "NaN or infinite"),

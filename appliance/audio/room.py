@@ -272,6 +272,11 @@ class Scenario:
             if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
                 raise UserError(f"{at('after')}: `after:` must be speaking, thinking or listening, "
                                 f"not {str(ev['after'])[:40]!r}")
+            if ev.get("after") in ("speaking", "thinking") and not any(e.speech for e in events):
+                # nothing before it asks the appliance anything, so it never thinks or speaks: the replay would
+                # wait out its 180 s and then blame the audio
+                raise UserError(f"{at('after')}: `after: {ev['after']}` can never fire: no event before it is speech "
+                                "the appliance answers; start the scenario with an event at `at: SECONDS`")
             for key in ("at", "delay", "gain_db"):
                 if key in ev:
                     ev[key] = _number(ev[key], f"{at(key)}: `{key}`", *EVENT_RANGES[key])
@@ -307,7 +312,7 @@ class Scenario:
             files.append(base / str(r["noise"]))
         room.noise_gain_db = float(r.get("noise_gain_db", -30.0))
         if "rt60_ms" in r and "impulse_response" in r:
-            raise UserError(f"{path}: room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
+            raise UserError(f"{path}: {_line_prefix(['rt60_ms', 'impulse_response'], room_lines)}room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
         if "rt60_ms" in r:
             room.impulse_response = synthetic_ir(float(r["rt60_ms"]))
         elif r.get("impulse_response"):
