@@ -184,6 +184,8 @@ CASES = [
     ("model-not-a-gguf", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, p := t / "m.gguf", MMPROJ))),
                                     p.write_text("not a model") and p), "could not load"),
     # stats
+    # it said "cannot read it (UnicodeDecodeError); check the path and its permissions"
+    ("stats-a-wav", lambda t: (["stats", str(QUESTION)], QUESTION), "give a metrics.jsonl, a replay's timeline.jsonl"),
     ("stats-turns-a-number", lambda t: (["stats", str(p := t / "report.json")], p.write_text(json.dumps({"turns": 5})) and p),
      "`turns` is not a list"),
     ("stats-turns-a-string", lambda t: (["stats", str(p := t / "report.json")], p.write_text('{"turns": "many"}') and p),
