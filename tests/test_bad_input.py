@@ -183,6 +183,11 @@ CASES = [
      "projector"),
     ("model-not-a-gguf", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, p := t / "m.gguf", MMPROJ))),
                                     p.write_text("not a model") and p), "could not load"),
+    # llama.cpp's reason came cut mid-word: "(… llama_model_load_from_file_impl: failed to l)"
+    ("model-empty-gguf", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, p := t / "e.gguf", MMPROJ))),
+                                    p.write_bytes(b"") or p), "the file is empty (0 bytes)"),
+    ("model-empty-projector", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, GGUF, p := t / "e-mmproj.gguf"))),
+                                         p.write_bytes(b"") or p), "the file is empty (0 bytes)"),
     # stats
     # it said "cannot read it (UnicodeDecodeError); check the path and its permissions"
     ("stats-a-wav", lambda t: (["stats", str(QUESTION)], QUESTION), "give a metrics.jsonl, a replay's timeline.jsonl"),
