@@ -111,8 +111,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.fast:
         print("(--fast: the room waited for the pipeline, so these latencies are in simulated time, not measured)")
     for t in report["turns"]:
+        cut = " (interrupted)" if t["interrupted"] else ""
+        if args.fast:  # simulated time: the figures would read 0.0 ms, so they are left out
+            print(f"turn {t['reply_id']}: answered{cut}")
+            continue
         print(f"turn {t['reply_id']}: end of turn → first token {t['eot_to_first_token_ms']} ms, "
-              f"→ first audio {t['eot_to_first_audio_ms']} ms{' (interrupted)' if t['interrupted'] else ''}")
+              f"→ first audio {t['eot_to_first_audio_ms']} ms{cut}")
     for b in report["barge_ins"]:
         silent = (f"output silent after {b['output_silent_ms']} ms" if b["output_silent_ms"] else
                   "the output was already silent (a gap between clauses)")
