@@ -67,7 +67,7 @@ def _name_the_config(message: str, args: argparse.Namespace) -> str:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from .pipeline import Parts
-    from .replay import OUTPUTS, check_outputs, check_transcripts, load_input, replay
+    from .replay import OUTPUTS, check_outputs, check_transcripts, load_input, replay, unheard_fix
 
     cfg = _config(args)
     scenario = load_input(args.input, args.transcript)  # fail fast on bad input, before seconds of model loading
@@ -133,7 +133,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
     if not report["turns"] and any(e.speech for e in scenario.events):
         raise UserError(f"{args.input}: no speech was heard in it, so the appliance never answered (the timeline "
-                        f"is in {out / 'timeline.jsonl'}); give a recording of someone speaking, louder if need be")
+                        f"is in {out / 'timeline.jsonl'}); {unheard_fix(scenario, _records(out / 'timeline.jsonl'))}")
     return 0
 
 
@@ -255,6 +255,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"note: {source} is from a replay run with --fast: its latencies are in simulated time, not measured",
               file=sys.stderr)
     return 0
+
+
+def _records(timeline: Path) -> list[dict]:
+    """The JSON records of a timeline.jsonl ([] for a line or file that cannot be read)."""
+    try:
+        lines = timeline.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
 
 
 def _replayed_unpaced(timeline: Path) -> bool:

@@ -63,6 +63,34 @@ def check_outputs(scenario: Scenario, input_path: str | Path, out_dir: str | Pat
                             "the file out of it")
 
 
+CLIPPED_LEVEL = 0.98  # |sample| at or above this (of full scale) counts as clipped
+CLIPPED_FRACTION = 0.02  # this share of a file's speech samples (above -40 dBFS) clipped: too loud to be heard
+
+
+def clipped_fraction(audio: np.ndarray) -> float:
+    """The share of ``audio``'s samples above −40 dBFS (float, full scale 1.0) that sit at full scale
+    (≥ :data:`CLIPPED_LEVEL`), 0.0–1.0; 0.0 when none are above −40 dBFS."""
+    loud = np.abs(audio[np.abs(audio) >= 0.01])
+    return float(np.mean(loud >= CLIPPED_LEVEL)) if len(loud) else 0.0
+
+
+def unheard_fix(scenario: Scenario, records: list[dict]) -> str:
+    """What to tell the user when a replay whose input holds speech got no answer: the input is clipped
+    (:data:`CLIPPED_FRACTION` of some utterance's speech at full scale), or the VAD heard only fragments shorter
+    than ``vad.min_speech_ms`` (``vad_reject`` in the timeline ``records``), else "louder"."""
+    clipped = max((clipped_fraction(e.audio) for e in scenario.events if e.speech), default=0.0)
+    fragments = [r.get("speech_ms") for r in records if r.get("event") == Ev.VAD_REJECT]
+    heard = (f"the VAD heard only {len(fragments)} short fragment(s) "
+             f"({', '.join(f'{ms:.0f}' for ms in fragments if ms is not None)} ms), each shorter than vad.min_speech_ms"
+             if fragments else "")
+    if clipped >= CLIPPED_FRACTION:
+        return (f"{clipped:.0%} of its speech is clipped (at full scale){', and ' + heard if heard else ''}; record it "
+                "again at a lower level")
+    if heard:
+        return f"{heard}; give a recording with longer stretches of speech, or lower vad.min_speech_ms"
+    return "give a recording of someone speaking, louder if need be"
+
+
 def _duration_s(path: Path) -> float:
     """The audio file's length, s, from its header (0.0 when the header does not say)."""
     import soundfile as sf

@@ -271,3 +271,27 @@ def test_replay_refuses_to_overwrite_its_own_input(tmp_path, where):
     assert str(named) in lines[0] and "overwrite" in lines[0] and "--out" in lines[0], lines[0]
     assert victim.read_bytes() == QUESTION.read_bytes()
     assert (out / "report.json").read_text() == "{}\n"
+
+
+def test_clipped_speech_is_not_told_to_be_louder(tmp_path):
+    """question.wav x20 (about 30 % of its samples at full scale): the VAD rejects each onset as too short, and
+    the error said "louder if need be". It names the clipping instead (the real VAD, --fast)."""
+    audio, rate = sf.read(str(QUESTION), dtype="float32")
+    loud = _wav(tmp_path, "loud20.wav", np.clip(audio * 20, -1.0, 1.0), rate, subtype="PCM_16")
+    rc, stderr, _, _ = run_cli(_replay(loud, tmp_path, "--embedded", "--transcript", "What is a rainbow?"), tmp_path)
+    lines = stderr.splitlines()
+    assert rc == 2 and "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and str(loud) in lines[0], stderr
+    assert "clipped" in lines[0] and "lower level" in lines[0] and "louder" not in lines[0], lines[0]
+
+
+def test_unheard_fix_names_short_fragments_when_not_clipped():
+    """Not clipped, yet only fragments under vad.min_speech_ms were heard: said so, with their lengths."""
+    from appliance.audio.room import Scenario, ScriptedUtterance
+    from appliance.replay import unheard_fix
+
+    audio, _ = sf.read(str(QUESTION), dtype="float32")
+    scenario = Scenario([ScriptedUtterance(audio, "hi", "q", at=0.5)])
+    fix = unheard_fix(scenario, [{"event": "vad_reject", "speech_ms": 128.0}, {"event": "vad_reject", "speech_ms": 96.0}])
+    assert "2 short fragment(s) (128, 96 ms)" in fix and "clipped" not in fix, fix
+    assert unheard_fix(scenario, []) == "give a recording of someone speaking, louder if need be"
