@@ -205,9 +205,18 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = Path(args.file or args.config or _default_config("name the file: `appliance check-config FILE`"))
-    from .config import check
+    from .config import ConfigError, check
 
-    cfg = check(path)  # the schema, then the sizes and the model files' headers
+    try:
+        cfg = check(path)  # the schema, then the sizes and the model files' headers
+    except ConfigError as exc:
+        if exc.complete:
+            raise
+        for problem in exc.problems:  # too many for one line: every problem and its line, one line each
+            print(f"error: {path}: {problem}", file=sys.stderr)
+        print(f"{path}: {len(exc.problems)} problems; fix them, then run `appliance check-config {path}`",
+              file=sys.stderr)
+        return exc.exit_code
     print(f"{path}: valid")
     # The config is valid, but a model file it names may not be on this machine (a config copied from the Pi,
     # or a Pi whose image has not fetched its models): the service would not start, so say so here too.

@@ -314,8 +314,10 @@ class ConfigError(UserError):
                 break
             shown.append(text)
             size += len(text) + 2
-        rest = problems[len(shown):]  # named by key, so the owner can fix every one in this pass
-        more = f"; and {len(rest)} more, at {', '.join(sorted({p.path for p in rest}))}" if rest else ""
+        rest = problems[len(shown):]  # named by line and key, so the owner can fix every one in this pass
+        more = (f"; and {len(rest)} more, at {', '.join(f'line {p.line} {p.path}' if p.line else p.path for p in rest)}"
+                if rest else "")
+        self.complete = not rest  # whether str() gives every problem in full
         super().__init__(f"{path}: {'; '.join(shown)}{more} (fix it, then run `appliance check-config {path}`)")
 
 
@@ -566,10 +568,30 @@ def check(path: str | Path) -> Config:
     :raises UserError: as :func:`load`; :class:`ConfigError` listing the cross-field problems.
     """
     path = Path(path)
-    cfg = load(path)
+    try:
+        cfg = load(path)
+    except ConfigError as exc:  # field errors: the cross-field checks still run where their fields are valid
+        raise ConfigError(path, sorted(exc.problems + _cross_problems_of_valid_sections(path, exc.problems),
+                                       key=lambda p: (p.line or 0, p.path))) from None
     node, _ = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
     lines, _ = _line_index(node) if node is not None else ({}, [])
     problems = cross_problems(cfg, lines)
     if problems:
         raise ConfigError(path, problems)
     return cfg
+
+
+def _cross_problems_of_valid_sections(path: Path, problems: list[ConfigProblem]) -> list[ConfigProblem]:
+    """:func:`cross_problems` for a config with field errors, when the sections those checks read (``model``
+    and ``assistant``) have none: so one run of check-config names them too. [] otherwise (a YAML error,
+    or an error in either section)."""
+    if any(p.path.split(".")[0] in ("model", "assistant", "(yaml)", "(top)") for p in problems):
+        return []
+    try:
+        node, data = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
+        lines, _ = _line_index(node) if node is not None else ({}, [])
+        cfg = Config.model_validate({k: v for k, v in (data or {}).items() if k in ("model", "assistant")},
+                                    strict=True)
+    except Exception:  # the field errors already reported stand on their own
+        return []
+    return cross_problems(cfg, lines)

@@ -130,9 +130,6 @@ CASES = [
      "model.n_ctx: 2048 tokens cannot hold"),
     ("config-projector-as-model", lambda t: (["check-config", str(p := _config(
         t, f"model:\n  gguf: {MMPROJ}\n  mmproj: {MMPROJ}\n"))], p), "is an audio projector"),
-    # two problems, one shown: the other is named by key (it said only "and 1 more")
-    ("config-model-and-projector-swapped", lambda t: (["check-config", str(p := _config(
-        t, f"model:\n  gguf: {MMPROJ}\n  mmproj: {GGUF}\n"))], p), "; and 1 more, at model.mmproj"),
     ("config-prompt-too-long", lambda t: (["check-config", str(p := _config(
         t, f"model:\n  gguf: {GGUF}\n  mmproj: {MMPROJ}\n  system_prompt: '{'Be brief. ' * 900}'\n"))], p),
      "model.system_prompt:"),
@@ -295,3 +292,45 @@ def test_unheard_fix_names_short_fragments_when_not_clipped():
     fix = unheard_fix(scenario, [{"event": "vad_reject", "speech_ms": 128.0}, {"event": "vad_reject", "speech_ms": 96.0}])
     assert "2 short fragment(s) (128, 96 ms)" in fix and "clipped" not in fix, fix
     assert unheard_fix(scenario, []) == "give a recording of someone speaking, louder if need be"
+
+
+MANY = ("model:\n  n_ctx: 512\n"                   # valid on its own; too small for the history (cross-field)
+        "listen:\n  mode: wakeword\n"             # line 4
+        "vad:\n  threshold: -1\n"                 # line 6
+        "gpio:\n  enabled: true\n  led_kind: rgb\n  rgb_pins: [5, 6]\n"  # line 10
+        "audio:\n  input: 7\n"                    # line 12
+        "  output: 8\n"                            # line 13
+        "storage:\n  state_dir: 5\n")             # line 15
+
+
+def test_check_config_lists_every_problem_with_its_line(tmp_path):
+    """It showed 4 problems, then "and 2 more, at assistant.timezone, audio.input" with no lines, and the
+    cross-field checks only once those were fixed: now one line per problem, with the n_ctx check too (its
+    fields, in `model`, are valid)."""
+    p = _config(tmp_path, MANY)
+    rc, stderr, _, _ = run_cli(["check-config", str(p)], tmp_path)
+    lines = stderr.splitlines()
+    assert rc == 2 and "Traceback" not in stderr, stderr
+    for line_no, key in [(2, "model.n_ctx"), (4, "listen.mode"), (6, "vad.threshold"), (10, "gpio.rgb_pins"),
+                         (12, "audio.input"), (13, "audio.output"), (15, "storage.state_dir")]:
+        assert any(l.startswith(f"error: {p}: line {line_no}: {key}: ") for l in lines), (key, stderr)
+    assert lines[-1] == f"{p}: 7 problems; fix them, then run `appliance check-config {p}`", lines[-1]
+
+
+def test_two_model_file_problems_are_both_listed(tmp_path):
+    """Model and projector swapped: both named, each with its line (it said only "and 1 more, at model.mmproj")."""
+    p = _config(tmp_path, f"model:\n  gguf: {MMPROJ}\n  mmproj: {GGUF}\n")
+    rc, stderr, _, _ = run_cli(["check-config", str(p)], tmp_path)
+    lines = stderr.splitlines()
+    assert rc == 2 and len(lines) == 3, stderr
+    assert lines[0].startswith(f"error: {p}: line 2: model.gguf: ") and "is an audio projector" in lines[0], lines
+    assert lines[1].startswith(f"error: {p}: line 3: model.mmproj: "), lines
+
+
+def test_a_replay_with_many_config_problems_names_the_rest_by_line(tmp_path):
+    """A replay's error stays one line; the problems it cannot show in full are named by line and key."""
+    p = _config(tmp_path, MANY)
+    rc, stderr, _, _ = run_cli(_replay(QUESTION, tmp_path, "--config", str(p)), tmp_path)
+    lines = stderr.splitlines()
+    assert rc == 2 and len(lines) == 1, stderr
+    assert "line 15 storage.state_dir" in lines[0] and lines[0].endswith(f"`appliance check-config {p}`)"), lines[0]
