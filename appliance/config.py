@@ -383,13 +383,61 @@ def _expected(e: dict) -> str:
         return f"expected one of {ctx.get('expected', '')}"
     bounds = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
     if kind in bounds:
+        both = _range_of(tuple(str(p) for p in e["loc"]))
+        if both:
+            return f"expected a value {both}"
         value = next(iter(ctx.values()), "")
         return f"expected a value {bounds[kind]} {value}"
+    if kind in ("too_short", "too_long"):
+        low, high = ctx.get("min_length"), ctx.get("max_length")
+        sized = _length_of(tuple(str(p) for p in e["loc"]))
+        if sized and sized[0] == sized[1]:
+            return f"expected a list of exactly {sized[0]} items"
+        return f"expected at least {low} items" if kind == "too_short" else f"expected at most {high} items"
     msg = e["msg"]
     for prefix in ("Input should be ", "Value error, "):
         if msg.startswith(prefix):
             return "expected " + msg[len(prefix):]
     return msg[:1].lower() + msg[1:]
+
+
+def _field_metadata(loc: tuple) -> list:
+    """The constraints (annotated_types ``Ge``, ``Lt``, ``MinLen``…) of the field at ``loc`` in :class:`Config`,
+    [] when ``loc`` is not a field of it (a list item, an unknown key)."""
+    model: Any = Config
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        info = fields.get(part) if fields else None
+        if info is None:
+            return []
+        model = info.annotation
+    meta = list(info.metadata) if info is not None else []
+    for arg in getattr(info.annotation, "__args__", ()) if info is not None else ():  # Optional[Annotated[...]]
+        meta += list(getattr(arg, "__metadata__", ()))
+    return [c for m in meta for c in ([m, *m.metadata] if hasattr(m, "metadata") else [m])]  # a Field(...) holds its own
+
+
+def _range_of(loc: tuple) -> str:
+    """``"> 0.0 and < 1.0"`` for a field with both a lower and an upper bound, else ``""``."""
+    low = high = ""
+    for m in _field_metadata(loc):
+        for attr, sign in (("ge", ">="), ("gt", ">")):
+            if getattr(m, attr, None) is not None:
+                low = f"{sign} {getattr(m, attr)}"
+        for attr, sign in (("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                high = f"{sign} {getattr(m, attr)}"
+    return f"{low} and {high}" if low and high else ""
+
+
+def _length_of(loc: tuple) -> Optional[tuple]:
+    """(min_length, max_length) of a list field, or None."""
+    low = high = None
+    for m in _field_metadata(loc):
+        low = getattr(m, "min_length", low)
+        high = getattr(m, "max_length", high)
+    return (low, high) if low is not None or high is not None else None
 
 
 def _problems(err: ValidationError, lines: dict[tuple, int]) -> list[ConfigProblem]:
