@@ -61,8 +61,12 @@ def _name_the_config(message: str, args: argparse.Namespace) -> str:
     """The parts' errors say "set … in config.yaml": name the config file this command actually used."""
     path = getattr(args, "config_path", None) or (Path(args.config) if getattr(args, "config", None) else None)
     if path is None:
+        if getattr(args, "embedded", False):  # no config file in use: say where such a setting would go
+            message = message.replace("in config.yaml", "in a config file given with --config FILE").replace(
+                "`appliance doctor`", "`appliance doctor --embedded`")
         return message
-    return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}")
+    return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}").replace(
+        "`appliance doctor`", f"`appliance doctor --config {path}`")  # so doctor checks the file in use
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
