@@ -142,8 +142,10 @@ CASES = [
      "line 3: duplicate key `at` in event 1 (also at line 2)"),
     ("scenario-not-utf8", lambda t: (_replay(p := _scenario(t, b"events:\n  - say: caf\xe9.wav\n"), t, "--embedded"), p),
      "iconv"),
-    ("scenario-with-transcript", lambda t: (_replay(p := _scenario(t, f"events:\n  - at: 0.5\n    say: {QUESTION}\n"), t,
-                                                     "--embedded", "--transcript", "hi"), p), "`text:`"),
+    # it was silently ignored (the scenario's own text: was used)
+    ("scenario-with-transcript", lambda t: (_replay(p := _scenario(
+        t, f"events:\n  - at: 0.5\n    say: {QUESTION}\n    text: hi\n"), t, "--embedded", "--transcript", "hi"), p),
+     "--transcript is for a WAV input"),
     # it waited the full 180 s, then blamed the audio
     ("scenario-first-event-after-speaking", lambda t: (_replay(p := _scenario(
         t, f"events:\n  - after: speaking\n    say: {QUESTION}\n    text: hi\n"), t, "--embedded"), p),
