@@ -31,20 +31,29 @@ def _config(args: argparse.Namespace) -> Config:
         print(f"note: --embedded with --config {args.config}: its model, voice, gpio and history settings are "
               "replaced by the embedded defaults; the rest of it is used", file=sys.stderr)
         return embedded_config(load(args.config))
-    path = Path(args.config) if args.config else _default_config()
+    if args.config:
+        path = Path(args.config)
+    elif args.command == "run":  # run refuses --embedded (its model cannot hear): not offered as a fix
+        path = _default_config(RUN_NEEDS_CONFIG)
+    else:
+        path = _default_config() if hasattr(args, "embedded") else _default_config("give --config FILE")
     args.config_path = path
     return load(path)
 
 
-def _default_config(embedded_ok: bool = True) -> Path:
+RUN_NEEDS_CONFIG = ("give --config FILE naming a model that hears (model.gguf and model.mmproj; the commented "
+                    "default is config.yaml in the source tree), or try the embedded parts with `appliance replay` "
+                    "(`make demo`)")
+
+
+def _default_config(ways: str = "give --config FILE, or --embedded for the built-in defaults") -> Path:
     """:func:`appliance.config.default_config_path`, which must exist.
 
-    :raises UserError: neither place has a config (naming both and the ways out)."""
+    :param ways: the fixes the error offers (only ones that work for the command at hand).
+    :raises UserError: neither place has a config (naming both and ``ways``)."""
     path = default_config_path()
     if path is not None:
         return path
-    ways = ("give --config FILE, or --embedded for the built-in defaults" if embedded_ok
-            else "name the file: `appliance check-config FILE`")
     raise UserError(f"no config file: neither {DEFAULT_CONFIG_PATH} nor ./config.yaml exists; {ways}")
 
 
@@ -52,21 +61,23 @@ def _name_the_config(message: str, args: argparse.Namespace) -> str:
     """The parts' errors say "set … in config.yaml": name the config file this command actually used."""
     path = getattr(args, "config_path", None) or (Path(args.config) if getattr(args, "config", None) else None)
     if path is None:
+        if getattr(args, "embedded", False):  # no config file in use: say where such a setting would go
+            message = message.replace("in config.yaml", "in a config file given with --config FILE").replace(
+                "`appliance doctor`", "`appliance doctor --embedded`")
         return message
-    return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}")
-
-
-REPLAY_OUTPUTS = ("reply.wav", "timeline.jsonl", "report.json", "metrics.jsonl")
+    return message.replace("in config.yaml", f"in {path}").replace("in the config file", f"in {path}").replace(
+        "`appliance doctor`", f"`appliance doctor --config {path}`")  # so doctor checks the file in use
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from .pipeline import Parts
-    from .replay import check_transcripts, load_input, replay
+    from .replay import OUTPUTS, check_outputs, check_transcripts, load_input, replay, unheard_fix
 
     cfg = _config(args)
     scenario = load_input(args.input, args.transcript)  # fail fast on bad input, before seconds of model loading
     if not cfg.model.mmproj:
         check_transcripts(scenario, args.input)
+    check_outputs(scenario, args.input, args.out)  # before anything in --out is created or removed
     out = Path(args.out)
     created = not out.exists()
     try:
@@ -87,7 +98,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if created and not any(out.iterdir()):
             out.rmdir()  # a failed start leaves no empty output directory behind
         raise
-    for name in REPLAY_OUTPUTS:  # a replay into a used directory replaces the previous one's files, never mixes them
+    for name in OUTPUTS:  # a replay into a used directory replaces the previous one's files, never mixes them
         (out / name).unlink(missing_ok=True)
     lines = (lambda s: print(s, flush=True)) if not args.quiet else None
     try:
@@ -104,8 +115,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.fast:
         print("(--fast: the room waited for the pipeline, so these latencies are in simulated time, not measured)")
     for t in report["turns"]:
+        cut = " (interrupted)" if t["interrupted"] else ""
+        if args.fast:  # simulated time: the figures would read 0.0 ms, so they are left out
+            print(f"turn {t['reply_id']}: answered{cut}")
+            continue
         print(f"turn {t['reply_id']}: end of turn → first token {t['eot_to_first_token_ms']} ms, "
-              f"→ first audio {t['eot_to_first_audio_ms']} ms{' (interrupted)' if t['interrupted'] else ''}")
+              f"→ first audio {t['eot_to_first_audio_ms']} ms{cut}")
     for b in report["barge_ins"]:
         silent = (f"output silent after {b['output_silent_ms']} ms" if b["output_silent_ms"] else
                   "the output was already silent (a gap between clauses)")
@@ -122,7 +137,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print("warning: the replay hit its time limit before the conversation went idle", file=sys.stderr)
     if not report["turns"] and any(e.speech for e in scenario.events):
         raise UserError(f"{args.input}: no speech was heard in it, so the appliance never answered (the timeline "
-                        f"is in {out / 'timeline.jsonl'}); give a recording of someone speaking, louder if need be")
+                        f"is in {out / 'timeline.jsonl'}); {unheard_fix(scenario, _records(out / 'timeline.jsonl'))}")
     return 0
 
 
@@ -193,10 +208,19 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    path = Path(args.file or args.config or _default_config(embedded_ok=False))
-    from .config import check
+    path = Path(args.file or args.config or _default_config("name the file: `appliance check-config FILE`"))
+    from .config import ConfigError, check
 
-    cfg = check(path)  # the schema, then the sizes and the model files' headers
+    try:
+        cfg = check(path)  # the schema, then the sizes and the model files' headers
+    except ConfigError as exc:
+        if exc.complete:
+            raise
+        for problem in exc.problems:  # too many for one line: every problem and its line, one line each
+            print(f"error: {path}: {problem}", file=sys.stderr)
+        print(f"{path}: {len(exc.problems)} problems; fix them, then run `appliance check-config {path}`",
+              file=sys.stderr)
+        return exc.exit_code
     print(f"{path}: valid")
     # The config is valid, but a model file it names may not be on this machine (a config copied from the Pi,
     # or a Pi whose image has not fetched its models): the service would not start, so say so here too.
@@ -244,6 +268,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"note: {source} is from a replay run with --fast: its latencies are in simulated time, not measured",
               file=sys.stderr)
     return 0
+
+
+def _records(timeline: Path) -> list[dict]:
+    """The JSON records of a timeline.jsonl ([] for a line or file that cannot be read)."""
+    try:
+        lines = timeline.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
 
 
 def _replayed_unpaced(timeline: Path) -> bool:

@@ -314,8 +314,10 @@ class ConfigError(UserError):
                 break
             shown.append(text)
             size += len(text) + 2
-        rest = problems[len(shown):]  # named by key, so the owner can fix every one in this pass
-        more = f"; and {len(rest)} more, at {', '.join(sorted({p.path for p in rest}))}" if rest else ""
+        rest = problems[len(shown):]  # named by line and key, so the owner can fix every one in this pass
+        more = (f"; and {len(rest)} more, at {', '.join(f'line {p.line} {p.path}' if p.line else p.path for p in rest)}"
+                if rest else "")
+        self.complete = not rest  # whether str() gives every problem in full
         super().__init__(f"{path}: {'; '.join(shown)}{more} (fix it, then run `appliance check-config {path}`)")
 
 
@@ -381,13 +383,61 @@ def _expected(e: dict) -> str:
         return f"expected one of {ctx.get('expected', '')}"
     bounds = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
     if kind in bounds:
+        both = _range_of(tuple(str(p) for p in e["loc"]))
+        if both:
+            return f"expected a value {both}"
         value = next(iter(ctx.values()), "")
         return f"expected a value {bounds[kind]} {value}"
+    if kind in ("too_short", "too_long"):
+        low, high = ctx.get("min_length"), ctx.get("max_length")
+        sized = _length_of(tuple(str(p) for p in e["loc"]))
+        if sized and sized[0] == sized[1]:
+            return f"expected a list of exactly {sized[0]} items"
+        return f"expected at least {low} items" if kind == "too_short" else f"expected at most {high} items"
     msg = e["msg"]
     for prefix in ("Input should be ", "Value error, "):
         if msg.startswith(prefix):
             return "expected " + msg[len(prefix):]
     return msg[:1].lower() + msg[1:]
+
+
+def _field_metadata(loc: tuple) -> list:
+    """The constraints (annotated_types ``Ge``, ``Lt``, ``MinLen``…) of the field at ``loc`` in :class:`Config`,
+    [] when ``loc`` is not a field of it (a list item, an unknown key)."""
+    model: Any = Config
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        info = fields.get(part) if fields else None
+        if info is None:
+            return []
+        model = info.annotation
+    meta = list(info.metadata) if info is not None else []
+    for arg in getattr(info.annotation, "__args__", ()) if info is not None else ():  # Optional[Annotated[...]]
+        meta += list(getattr(arg, "__metadata__", ()))
+    return [c for m in meta for c in ([m, *m.metadata] if hasattr(m, "metadata") else [m])]  # a Field(...) holds its own
+
+
+def _range_of(loc: tuple) -> str:
+    """``"> 0.0 and < 1.0"`` for a field with both a lower and an upper bound, else ``""``."""
+    low = high = ""
+    for m in _field_metadata(loc):
+        for attr, sign in (("ge", ">="), ("gt", ">")):
+            if getattr(m, attr, None) is not None:
+                low = f"{sign} {getattr(m, attr)}"
+        for attr, sign in (("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                high = f"{sign} {getattr(m, attr)}"
+    return f"{low} and {high}" if low and high else ""
+
+
+def _length_of(loc: tuple) -> Optional[tuple]:
+    """(min_length, max_length) of a list field, or None."""
+    low = high = None
+    for m in _field_metadata(loc):
+        low = getattr(m, "min_length", low)
+        high = getattr(m, "max_length", high)
+    return (low, high) if low is not None or high is not None else None
 
 
 def _problems(err: ValidationError, lines: dict[tuple, int]) -> list[ConfigProblem]:
@@ -566,10 +616,30 @@ def check(path: str | Path) -> Config:
     :raises UserError: as :func:`load`; :class:`ConfigError` listing the cross-field problems.
     """
     path = Path(path)
-    cfg = load(path)
+    try:
+        cfg = load(path)
+    except ConfigError as exc:  # field errors: the cross-field checks still run where their fields are valid
+        raise ConfigError(path, sorted(exc.problems + _cross_problems_of_valid_sections(path, exc.problems),
+                                       key=lambda p: (p.line or 0, p.path))) from None
     node, _ = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
     lines, _ = _line_index(node) if node is not None else ({}, [])
     problems = cross_problems(cfg, lines)
     if problems:
         raise ConfigError(path, problems)
     return cfg
+
+
+def _cross_problems_of_valid_sections(path: Path, problems: list[ConfigProblem]) -> list[ConfigProblem]:
+    """:func:`cross_problems` for a config with field errors, when the sections those checks read (``model``
+    and ``assistant``) have none: so one run of check-config names them too. [] otherwise (a YAML error,
+    or an error in either section)."""
+    if any(p.path.split(".")[0] in ("model", "assistant", "(yaml)", "(top)") for p in problems):
+        return []
+    try:
+        node, data = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
+        lines, _ = _line_index(node) if node is not None else ({}, [])
+        cfg = Config.model_validate({k: v for k, v in (data or {}).items() if k in ("model", "assistant")},
+                                    strict=True)
+    except Exception:  # the field errors already reported stand on their own
+        return []
+    return cross_problems(cfg, lines)

@@ -291,6 +291,9 @@ class Engine:
             raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF "
                             "(`appliance doctor` checks the model files; replay, say and the benches can run on the "
                             "embedded defaults with --embedded)")
+        if path.stat().st_size == 0:  # llama.cpp's own reason comes cut mid-word ("failed to l")
+            raise UserError(f"{path}: the file is empty (0 bytes); set model.gguf in the config file to the model's "
+                            ".gguf (an interrupted download leaves an empty file: fetch it again)")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
         if _gguf_architecture(path) == "clip":
             raise UserError(f"{path}: is an audio projector (GGUF architecture clip), not the language model; set "
@@ -331,6 +334,9 @@ class Engine:
             mpath = Path(mmproj)
             if not mpath.is_file():
                 raise UserError(f"{mpath}: audio projector (mmproj) not found; set model.mmproj in config.yaml")
+            if mpath.stat().st_size == 0:
+                raise UserError(f"{mpath}: the file is empty (0 bytes); set model.mmproj in config.yaml to the audio "
+                                "projector's .gguf (an interrupted download leaves an empty file: fetch it again)")
             try:
                 with quiet_llama_logs():
                     self.audio = MtmdAudio(self.llm, str(mpath), n_threads=n_threads)

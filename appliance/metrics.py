@@ -229,7 +229,10 @@ def read_turns(source: str | Path) -> list[dict]:
         except FileNotFoundError:
             raise UserError(f"{f}: no such metrics file; the service writes <storage.state_dir>/{METRICS_FILE}, "
                             "a replay writes timeline.jsonl; or use `journal`") from None
-        except (OSError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError:  # a WAV, a GGUF: readable, but not text
+            raise UserError(f"{f}: not a text file (not UTF-8); give a metrics.jsonl, a replay's timeline.jsonl or "
+                            "report.json, a saved journal, or `journal`") from None
+        except OSError as exc:
             raise UserError(f"{f}: cannot read it ({exc.__class__.__name__}); check the path and its permissions") from None
     stripped = text.lstrip()
     if stripped.startswith("{") and path.suffix == ".json":

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .audio.backends import open_port
-from .audio.files import MODEL_RATE, first_above, write_wav
+from .audio.files import MAX_SECONDS, MODEL_RATE, first_above, write_wav
 from .audio.room import Scenario
 from .config import Config
 from .errors import UserError
@@ -31,11 +31,75 @@ def load_input(path: str | Path, transcript: Optional[str] = None) -> Scenario:
     if path.is_dir():
         raise UserError(f"{path}: is a directory; give a WAV of speech or a scenario .yaml")
     if path.suffix.lower() in (".yaml", ".yml"):
+        if transcript is not None:  # it would be silently ignored: a scenario's words are in its events
+            raise UserError(f"{path}: --transcript is for a WAV input; in a scenario, give each event's words as its "
+                            "`text:` (see the scenario format in docs/replay.md), and drop --transcript")
         return Scenario.load(path)
     scenario = Scenario.from_wav(path, text=transcript)
     if first_above(scenario.events[0].audio, -40.0) < 0:
+        if _duration_s(path) > MAX_SECONDS:  # what comes after 180 s was never read: say so, not "no speech"
+            raise UserError(f"{path}: holds no speech in its first {MAX_SECONDS:.0f} s (no sample above -40 dBFS), and a "
+                            f"replay hears at most the first {MAX_SECONDS:.0f} s; cut the file so the speech starts "
+                            "in them")
         raise UserError(f"{path}: holds no speech (no sample above -40 dBFS); give a recording of someone speaking")
     return scenario
+
+
+OUTPUTS = ("reply.wav", "timeline.jsonl", "report.json", "metrics.jsonl")  # what a replay writes into --out
+
+
+def check_outputs(scenario: Scenario, input_path: str | Path, out_dir: str | Path) -> None:
+    """Refuse a replay that would overwrite its own input: ``input_path`` (a WAV or the scenario) or a file the
+    scenario reads (say, noise, impulse response) is one of :data:`OUTPUTS` in ``out_dir``. Call it before
+    anything is created or removed.
+
+    :raises UserError: one line naming the file and the fix.
+    """
+    outputs = {(Path(out_dir) / name).resolve(): name for name in OUTPUTS}
+    for f in [Path(input_path), *scenario.files]:
+        name = outputs.get(f.resolve())
+        if name is not None:
+            raise UserError(f"{f}: the replay would overwrite it with its {name}; give another --out DIR, or move "
+                            "the file out of it")
+
+
+CLIPPED_LEVEL = 0.98  # |sample| at or above this (of full scale) counts as clipped
+CLIPPED_FRACTION = 0.02  # this share of a file's speech samples (above -40 dBFS) clipped: too loud to be heard
+
+
+def clipped_fraction(audio: np.ndarray) -> float:
+    """The share of ``audio``'s samples above −40 dBFS (float, full scale 1.0) that sit at full scale
+    (≥ :data:`CLIPPED_LEVEL`), 0.0–1.0; 0.0 when none are above −40 dBFS."""
+    loud = np.abs(audio[np.abs(audio) >= 0.01])
+    return float(np.mean(loud >= CLIPPED_LEVEL)) if len(loud) else 0.0
+
+
+def unheard_fix(scenario: Scenario, records: list[dict]) -> str:
+    """What to tell the user when a replay whose input holds speech got no answer: the input is clipped
+    (:data:`CLIPPED_FRACTION` of some utterance's speech at full scale), or the VAD heard only fragments shorter
+    than ``vad.min_speech_ms`` (``vad_reject`` in the timeline ``records``), else "louder"."""
+    clipped = max((clipped_fraction(e.audio) for e in scenario.events if e.speech), default=0.0)
+    fragments = [r.get("speech_ms") for r in records if r.get("event") == Ev.VAD_REJECT]
+    heard = (f"the VAD heard only {len(fragments)} short fragment(s) "
+             f"({', '.join(f'{ms:.0f}' for ms in fragments if ms is not None)} ms), each shorter than vad.min_speech_ms"
+             if fragments else "")
+    if clipped >= CLIPPED_FRACTION:
+        return (f"{clipped:.0%} of its speech is clipped (at full scale){', and ' + heard if heard else ''}; record it "
+                "again at a lower level")
+    if heard:
+        return f"{heard}; give a recording with longer stretches of speech, or lower vad.min_speech_ms"
+    return "give a recording of someone speaking, louder if need be"
+
+
+def _duration_s(path: Path) -> float:
+    """The audio file's length, s, from its header (0.0 when the header does not say)."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+        return info.frames / info.samplerate if info.samplerate else 0.0
+    except Exception:  # it was read a moment ago; a header that will not say is not this check's error
+        return 0.0
 
 
 def audible_until_ms(output: np.ndarray, onset_t: float, detected_ms: float) -> float:
@@ -159,6 +223,7 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
     :raises UserError: bad input (scenario, audio files) or a text-only model with no transcript.
     """
     scenario = scenario if scenario is not None else load_input(input_path, transcript)
+    check_outputs(scenario, input_path, out_dir)
     hears = parts.engine.hears_audio
     if not hears:
         check_transcripts(scenario, input_path)

@@ -30,7 +30,7 @@ BAD = {
     "bool for int": ("model:\n  n_threads: true\n",
                      "line 2: model.n_threads: expected a whole number, found true (true/false)"),
     "out of range": ("model:\n  n_ctx: 100\n",
-                     "line 2: model.n_ctx: expected a value >= 256, found 100 (integer)"),
+                     "line 2: model.n_ctx: expected a value >= 256 and <= 131072, found 100 (integer)"),
     "not one of": ("model:\n  kv_cache_type: q5\n",
                    "line 2: model.kv_cache_type: expected one of 'f16', 'q8_0' or 'q4_0', found 'q5' (text)"),
     "unknown key": ("vad:\n  treshold: 0.6\n",
@@ -100,7 +100,7 @@ def test_every_problem_at_once_sorted_by_line(tmp_path):
     r = check_config(cfg)
     assert r.returncode == 2
     assert r.stderr == (f"error: {cfg}: line 2: audio.outptu: unknown key; did you mean 'output'?; "
-                        "line 4: vad.threshold: expected a value < 1.0, found 2 (integer); "
+                        "line 4: vad.threshold: expected a value > 0.0 and < 1.0, found 2 (integer); "
                         "line 6: gpio.led_pin: expected a BCM GPIO number from 2 to 27 (0 and 1 belong to the "
                         f"HAT EEPROM), found 0 (integer){tail(cfg)}\n")
 
@@ -186,3 +186,26 @@ def test_every_key_is_in_the_docs():
     doc = (ROOT / "docs" / "config.md").read_text()
     missing = [k for k in _key_paths(Config) if f"`{k}`" not in doc]
     assert not missing, f"docs/config.md lacks {missing}"
+
+
+def test_range_and_length_messages_give_both_bounds_in_plain_words():
+    """One bound was given ("< 1.0" for 1.7, "> 0.0" for -1), and pydantic's "list should have at least 3 items
+    after validation, not 2" showed through."""
+    with pytest.raises(ConfigError) as e:
+        parse("vad:\n  threshold: -1\naudio:\n  output_block_ms: 500\ngpio:\n  rgb_pins: [5, 6]\n", Path("c.yaml"))
+    text = str(e.value)
+    assert "vad.threshold: expected a value > 0.0 and < 1.0, found -1" in text, text
+    assert "audio.output_block_ms: expected a value >= 2 and <= 100, found 500" in text, text
+    assert "gpio.rgb_pins: expected a list of exactly 3 items, found [5, 6]" in text, text
+    assert "validation" not in text, text
+
+
+def test_shipped_config_states_the_bounds_the_validator_applies():
+    """config.yaml said output_block_ms (10-20) while the validator takes 2-100."""
+    from appliance.config import AudioConfig
+
+    field = AudioConfig.model_fields["output_block_ms"]
+    low = next(m.ge for m in field.metadata if getattr(m, "ge", None) is not None)
+    high = next(m.le for m in field.metadata if getattr(m, "le", None) is not None)
+    line = next(l for l in (ROOT / "config.yaml").read_text().splitlines() if l.strip().startswith("output_block_ms:"))
+    assert f"({low}-{high})" in line, line

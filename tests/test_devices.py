@@ -40,6 +40,30 @@ def test_match_device_by_substring_and_error_lists_candidates():
     assert "\n" not in msg
 
 
+def test_no_devices_at_all_says_connect_one_not_rename():
+    """With nothing to choose from, "(found: none); set audio.output … to part of one of these names" could not
+    help: it says to connect the sound card."""
+    with pytest.raises(DeviceNotFound) as e:
+        match_device([], "default", "output")
+    msg = str(e.value)
+    assert "no output sound device found at all" in msg and "connect the USB sound card or HAT" in msg, msg
+    assert "part of one of these names" not in msg and "\n" not in msg
+
+
+def test_device_errors_name_the_config_in_use_and_doctor_checks_that_one():
+    """Under --embedded with no config file, "set audio.output in config.yaml" named a file not in use; the
+    hint to run doctor dropped --config F, so doctor checked another file."""
+    import argparse
+
+    from appliance.cli import _name_the_config
+
+    line = "no output …; set audio.output in config.yaml to part of one of these names (`appliance doctor` checks)"
+    embedded = _name_the_config(line, argparse.Namespace(config=None, embedded=True))
+    assert "in a config file given with --config FILE" in embedded and "`appliance doctor --embedded`" in embedded
+    given = _name_the_config(line, argparse.Namespace(config="mine.yaml", embedded=False))
+    assert "set audio.output in mine.yaml" in given and "`appliance doctor --config mine.yaml`" in given
+
+
 @pytest.fixture
 def user():
     u = jd.User()
@@ -194,6 +218,24 @@ def test_missing_device_names_found_devices_and_keeps_retrying():
     assert "system" in first["found"]
     assert [i["repeated"] for _, i in events[:3]] == [False, True, True]  # said once, then quietly retried
     assert events[2][1]["attempt"] == 3
+
+
+@needs_jack
+def test_a_missing_device_is_logged_as_waiting_and_retrying(caplog):
+    """`appliance run` logged the device error once, with "retrying" at the end of a long line: it now says at
+    the start that it waits and retries, as the model-error line does."""
+    events = []
+    dev = DeviceAudio("ReSpeaker", "system", 10, 48000, lambda k, i: events.append((k, i)), backoff=(0.2, 0.4))
+    with caplog.at_level("ERROR", logger="appliance.audio.device.host"):
+        dev.start(lambda n: np.zeros(n, np.float32), lambda m, f: None)
+        try:
+            assert jd.wait_for(lambda: len(events) >= 2, 20)
+        finally:
+            dev.stop()
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 1, lines  # once, not once per attempt
+    assert lines[0].startswith("sound device unavailable (waiting; retrying every 0.4 s at most): "), lines[0]
+    assert "audio.input: 'ReSpeaker'" in lines[0], lines[0]
 
 
 # --- a conversation through the real streams -------------------------------------------------------

@@ -94,7 +94,8 @@ def test_scenario_values_out_of_range_are_user_errors(tmp_path, room, event, nee
     """Found by a fresh user: a negative echo delay crashed the room, a negative delay ran anyway."""
     (tmp_path / "q.wav").write_bytes((DEMO / "question.wav").read_bytes())
     p = tmp_path / "a.yaml"
-    p.write_text("events:\n  - after: speaking\n    say: q.wav\n" + event + "room:\n" + room)
+    # (`at:`: a first event `after: speaking` is itself refused, as it can never fire)
+    p.write_text("events:\n  - at: 0.5\n    say: q.wav\n" + event + "room:\n" + room)
     with pytest.raises(UserError, match=re.escape(needle)):
         Scenario.load(p)
 

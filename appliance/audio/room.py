@@ -198,11 +198,12 @@ class Scenario:
     events: list[ScriptedUtterance]
     room: RoomSpec = field(default_factory=RoomSpec)
     path: Optional[Path] = None
+    files: list[Path] = field(default_factory=list)  # every audio file it reads (say, noise, impulse response)
 
     @classmethod
     def from_wav(cls, path: str | Path, at: float = 0.5, text: Optional[str] = None) -> "Scenario":
         audio = load_audio(path)
-        return cls([ScriptedUtterance(audio, text, str(path), at=at)], path=Path(path))
+        return cls([ScriptedUtterance(audio, text, str(path), at=at)], path=Path(path), files=[Path(path)])
 
     @classmethod
     def load(cls, path: str | Path) -> "Scenario":
@@ -241,7 +242,7 @@ class Scenario:
         if not isinstance(data["events"], list):
             raise UserError(f"{path}: `events` must be a list of entries with `at:` or `after:` and `say:`")
         base = path.parent
-        events = []
+        events, files = [], []
         lines = _item_lines(node, "events")
         for i, ev in enumerate(data["events"], 1):
             line, keys = lines[i - 1] if i <= len(lines) else (None, {})
@@ -271,6 +272,11 @@ class Scenario:
             if "after" in ev and ev["after"] not in ("speaking", "thinking", "listening"):
                 raise UserError(f"{at('after')}: `after:` must be speaking, thinking or listening, "
                                 f"not {str(ev['after'])[:40]!r}")
+            if ev.get("after") in ("speaking", "thinking") and not any(e.speech for e in events):
+                # nothing before it asks the appliance anything, so it never thinks or speaks: the replay would
+                # wait out its 180 s and then blame the audio
+                raise UserError(f"{at('after')}: `after: {ev['after']}` can never fire: no event before it is speech "
+                                "the appliance answers; start the scenario with an event at `at: SECONDS`")
             for key in ("at", "delay", "gain_db"):
                 if key in ev:
                     ev[key] = _number(ev[key], f"{at(key)}: `{key}`", *EVENT_RANGES[key])
@@ -278,6 +284,7 @@ class Scenario:
             if text is not None and not isinstance(text, str):
                 raise UserError(f"{at('text')}: `text` must be a string (the transcript)")
             audio = _scenario_audio(base / ev["say"], at('say'))
+            files.append(base / ev["say"])
             events.append(ScriptedUtterance(audio, text, ev["say"], at=ev.get("at"), after=ev.get("after"),
                                             delay=float(ev.get("delay", 0.0)), gain_db=float(ev.get("gain_db", 0.0)),
                                             speech=speech))
@@ -302,19 +309,21 @@ class Scenario:
         room.echo_delay_ms = float(r.get("echo_delay_ms", 30.0))
         if r.get("noise"):
             room.noise = _scenario_audio(base / str(r["noise"]), f"{path}: {line_of('noise')}room.noise")
+            files.append(base / str(r["noise"]))
         room.noise_gain_db = float(r.get("noise_gain_db", -30.0))
         if "rt60_ms" in r and "impulse_response" in r:
-            raise UserError(f"{path}: room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
+            raise UserError(f"{path}: {_line_prefix(['rt60_ms', 'impulse_response'], room_lines)}room: give either rt60_ms (a synthetic IR) or impulse_response (a file), not both")
         if "rt60_ms" in r:
             room.impulse_response = synthetic_ir(float(r["rt60_ms"]))
         elif r.get("impulse_response"):
             ir = _scenario_audio(base / str(r["impulse_response"]),
                                  f"{path}: {line_of('impulse_response')}room.impulse_response")
+            files.append(base / str(r["impulse_response"]))
             energy = float(np.sum(ir.astype(np.float64) ** 2))
             if energy <= 0:
                 raise UserError(f"{path}: room.impulse_response is silent; give a recorded room impulse response")
             room.impulse_response = (ir / np.sqrt(energy)).astype(np.float32)
-        return cls(events, room, path)
+        return cls(events, room, path, files)
 
     def transcript_at(self, sample: int) -> Optional[str]:
         """The transcript of the scripted utterance that was playing at ``sample`` (16 kHz), if any."""

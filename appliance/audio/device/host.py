@@ -378,7 +378,7 @@ class DeviceAudio(AudioPort):
             repeated = reason == self.last_error
             self.last_error = reason
             if not repeated and self.log_errors:
-                log.error("%s; retrying every %.1f s at most", reason, self.backoff[1])
+                log.error("sound device unavailable (waiting; retrying every %.1f s at most): %s", self.backoff[1], reason)
             self.on_status("unavailable", {"reason": reason, "found": found, "attempt": self.attempts,
                                            "retry_in_s": round(wait, 2), "repeated": repeated})
             self._kick.clear()

@@ -57,7 +57,11 @@ def match_device(devices: list[dict], name: str, kind: str, default_index: Optio
             if name.lower() in d["name"].lower():
                 return d
     found = [d["name"] for d in candidates]
-    shown = ", ".join(f"'{n}'" for n in found) or "none"
+    if not found:  # nothing to choose from: renaming audio.{kind} cannot help
+        raise DeviceNotFound(f"no {kind} sound device found at all (audio.{kind}: '{name}'); connect the USB sound card "
+                             "or HAT (`arecord -l` and `aplay -l` list what the system sees; a HAT needs its dtoverlay)",
+                             found)
+    shown = ", ".join(f"'{n}'" for n in found)
     raise DeviceNotFound(f"no {kind} sound device matches audio.{kind}: '{name}' (found: {shown}); "
                          f"set audio.{kind} in config.yaml to part of one of these names "
                          f"(`appliance devices` lists them)", found)
