@@ -320,8 +320,10 @@ def test_an_onset_the_gate_passed_stays_out_of_the_floors_after_the_lag(far_end)
 
 def test_strict_near_end_test_needs_both_bands_and_a_far_end():
     """near_end_clear (behind the VAD's early onsets) on set frame energies: both bands must pass at once,
-    the broadband one without its soft second chance, and only while the far end plays; or the strong
-    high-band test alone (a high band mostly not echo, see test_the_strong_high_band_test_...)."""
+    the broadband one at its threshold or within 6 dB of it in this window and the one 20 ms earlier (not in
+    the strict period after the hand-over, not on a window too quiet for it), and only while the far end
+    plays; or the strong high-band test alone (a high band mostly not echo, see
+    test_the_strong_high_band_test_...)."""
     ec = EchoCanceller("speex", gate_db=-10.0)
     ec.warm = True  # shown converged (the cold start's rules: test_a_cold_canceller_never_lets_...)
     ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
@@ -342,9 +344,21 @@ def test_strict_near_end_test_needs_both_bands_and_a_far_end():
     assert not ec.near_end_clear() and ec.near_end_present()  # the high band alone: the gate, not the strict test
     frames(-5.0, -30.0)
     assert not ec.near_end_clear() and ec.near_end_present()  # broadband alone
+    frames(-30.0, -12.0)
+    frames(-14.0, -12.0)
+    assert not ec.near_end_clear()  # within 6 dB of the threshold right after a window far under it: no
     frames(-14.0, -12.0, n=2)
-    frames(-14.0, -12.0, n=2)
-    assert not ec.near_end_clear()  # a soft broadband pass does not count
+    assert ec.near_end_clear()  # ... the soft pass: this window and the one 20 ms earlier both within 6 dB
+    frames(-14.0, -30.0, n=5)
+    assert not ec.near_end_clear()  # ... with the high band's test too
+    ec.handovers, ec._handover_far = 1, ec._far_frames  # Speex has just taken over: no soft pass (as the gate)
+    frames(-14.0, -12.0, n=5)
+    assert not ec.near_end_clear()
+    ec._handover_far = -10_000
+    assert ec.near_end_clear()
+    ec._lt_in = [100.0] * 200  # the window 20 dB under the usual level: too quiet for the broadband test
+    assert not ec.near_end_clear()
+    ec._lt_in = [1.0] * 200
     frames(-20.0, -5.0)
     assert ec.near_end_clear()  # ... but a strong high band does
     frames(6.0, 6.0)
@@ -397,6 +411,47 @@ def test_the_strong_high_band_test_passes_a_quiet_consonant_mostly_not_echo():
     aec3._lt_in, aec3._lt_out, aec3._lt_hb_in, aec3._lt_hb_out = ec._lt_in, ec._lt_out, ec._lt_hb_in, ec._lt_hb_out
     ec = aec3
     assert check(-20.0, -5.0, -15.0) == (False, False)
+
+
+def test_the_faint_window_test_needs_the_strong_test_in_two_windows_20_ms_apart():
+    """near_end_faint (the VAD's windows scored 0.1-0.2) on set frame energies (high-band threshold -16 dB):
+    the strong high-band test's plain form (a high band 10 dB over the threshold, at most 18 dB under its
+    usual level, broadband -22 dB or more) in this window and in the window 20 ms earlier; a single window, the
+    held or sure form, the strict period after the hand-over or AEC3: no. Its rows log the larger shortfall."""
+    ec = EchoCanceller("speex", gate_db=-10.0, record=True)
+    ec.warm = True
+    ec._lt_in, ec._lt_out = [1.0] * 200, [1e-4] * 200
+    ec._lt_hb_in, ec._lt_hb_out = [1e-2] * 200, [10 ** -6.5] * 200
+
+    def faint(bb_db, hb_db, hb_level_db, n=5):
+        for _ in range(n):
+            ec._ratio_in.append(1.0)
+            ec._ratio_out.append(10 ** (bb_db / 10))
+            ec._ratio_far.append(1.0)
+            ec._hb_in.append(1e-2 * 10 ** (hb_level_db / 10))
+            ec._hb_out.append(ec._hb_in[-1] * 10 ** (hb_db / 10))
+            ec.frames += 1
+        return ec.near_end_faint()
+
+    assert not faint(-40.0, -40.0, 0.0)  # cancelled echo
+    assert not faint(-20.0, -5.0, -15.0, n=3)  # the plain form here, but not in the window 20 ms earlier
+    assert ec.faint_log[-1].strong_db > 0 and not ec.faint_log[-1].passed
+    assert faint(-20.0, -5.0, -15.0, n=2)  # ... and 20 ms later, in both
+    assert ec.faint_log[-1].strong_db == -1.0 and ec.faint_log[-1].passed  # shortfall -1 dB: the high band's
+    assert not faint(-26.0, -5.0, -15.0)  # broadband under -22 dB (the onset gate's held form would take it)
+    assert not faint(-20.0, -8.0, -15.0)  # 8 dB over the threshold (the gate's sure form would take it)
+    assert not faint(-20.0, -5.0, -20.0)  # a high band 20 dB under its usual level
+    assert faint(-20.0, -5.0, -15.0)
+    ec.handovers, ec._handover_far = 1, ec._far_frames  # Speex has just taken over from the stand-in
+    assert not faint(-20.0, -5.0, -15.0) and ec.faint_log[-1].strong_db is None  # off
+    ec._handover_far = -10_000
+    assert faint(-20.0, -5.0, -15.0)
+    assert not faint(6.0, 6.0, 0.0)  # output louder than input: the canceller's own estimate
+    aec3 = EchoCanceller("webrtc", gate_db=-10.0)
+    aec3.warm = True
+    aec3._lt_in, aec3._lt_out, aec3._lt_hb_in, aec3._lt_hb_out = ec._lt_in, ec._lt_out, ec._lt_hb_in, ec._lt_hb_out
+    ec = aec3
+    assert not faint(-20.0, -5.0, -15.0)
 
 
 @pytest.mark.parametrize("mic_floor_db", [None, -70.0])
