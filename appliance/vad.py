@@ -412,8 +412,8 @@ class VadSegmenter:
             del self._history[:-lead]
             early = bool(self.threshold > p >= self.onset_low_threshold and self.onset_evidence is not None
                          and self.onset_evidence()
-                         or self.onset_low_threshold > p >= self.onset_faint_threshold and self.onset_faint is not None
-                         and self.onset_faint())
+                         or self.onset_low_threshold > p >= self.onset_faint_threshold
+                         and self.onset_faint is not None and self.onset_faint())
             if p >= self.threshold and self.onset_gate is not None and not self.onset_gate():
                 self.gated += 1
             elif p >= self.threshold or early:

@@ -1124,7 +1124,8 @@ class EchoCanceller:
 
 
 class GateRow(NamedTuple):
-    """One onset-gate check (a row of :attr:`EchoCanceller.gate_log` or ``clear_log``), dB rounded to 0.1."""
+    """One onset-gate check (a row of :attr:`EchoCanceller.gate_log`, ``clear_log`` or ``faint_log``), dB
+    rounded to 0.1."""
 
     frame: int  # the canceller's frame count at the check (10 ms frames)
     ratio_db: Optional[float]  # output/input energy of the window (-ERLE on echo alone)
