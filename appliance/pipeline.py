@@ -140,10 +140,9 @@ class Listener:
     def _bind_gate(self) -> None:
         """The segmenter's onset gate from the canceller: an onset must not be mostly our own echo
         (``near_end_present``), and a low-scored window starts one only if it is surely the user
-        (``near_end_clear``), or, scored fainter, by a stricter test (``near_end_faint``)."""
+        (``near_end_clear``)."""
         e = self.echo
-        self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None),
-                                getattr(e, "near_end_faint", None))
+        self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None))
 
     def configure(self, *, vad=None, interruption=None, end_of_turn=_KEEP, wake=_KEEP, echo=_KEEP, stream=_KEEP,
                   stream_step_ms: Optional[int] = None) -> None:

@@ -195,13 +195,6 @@ class VadSegmenter:
     144 in all): onset → window end p50/p95/max 54/100/146 ms without it, 49/79/100 ms with it; over 48
     echo-only replies (5.6 min, echo at 0, +6 and +10 dB) none started. The cost: some non-speech sounds
     now pause the reply briefly (the bench's bell, in 1 of 6 noises, resumed after 120–200 ms).
-
-    Faint onsets (barge-in only): a window scored ``onset_faint_threshold`` (0.1) up to
-    ``onset_low_threshold`` asks a stricter test of the canceller (``onset_faint``: its strong high-band test
-    in this window and the one 20 ms earlier) and, passed, starts the candidate too. Some renderings of
-    en-gb "Stop." score 0.10-0.15 for 100-130 ms under the echo while their "st" is plainly not echo, and
-    waited for the vowel (136-166 ms, measured here, offline). See ``EchoCanceller.near_end_faint`` for its
-    echo-only margin; windows under 0.1 never ask.
     """
 
     vad: SileroVad
@@ -222,11 +215,7 @@ class VadSegmenter:
     # ``onset_low_threshold`` starts a candidate too. See the class notes.
     onset_evidence: Optional[Callable[[], bool]] = None
     onset_low_threshold: float = 0.2
-    early_onsets: int = 0  # candidates started by onset_evidence or onset_faint below threshold
-    # Optional stricter test for a window scored at least ``onset_faint_threshold`` but under
-    # ``onset_low_threshold`` (the echo canceller's near_end_faint). See the class notes.
-    onset_faint: Optional[Callable[[], bool]] = None
-    onset_faint_threshold: float = 0.1
+    early_onsets: int = 0  # candidates started by onset_evidence below threshold
     hop: int = HOP
     both_streams: bool = True  # False: the second stream is skipped (see the class notes)
     skip_floor: bool = False  # with both_streams False: windows at the room's noise floor are not run (notes)
@@ -296,13 +285,11 @@ class VadSegmenter:
         self.end_of_turn = end_of_turn
 
     def use_gate(self, onset_gate: Optional[Callable[[], bool]],
-                 onset_evidence: Optional[Callable[[], bool]] = None,
-                 onset_faint: Optional[Callable[[], bool]] = None) -> None:
-        """Take the echo canceller's double-talk tests (:attr:`onset_gate`, :attr:`onset_evidence`,
-        :attr:`onset_faint`), or none. Call from the thread that pushes audio."""
+                 onset_evidence: Optional[Callable[[], bool]] = None) -> None:
+        """Take the echo canceller's double-talk tests (:attr:`onset_gate`, :attr:`onset_evidence`), or none.
+        Call from the thread that pushes audio."""
         self.onset_gate = onset_gate
         self.onset_evidence = onset_evidence
-        self.onset_faint = onset_faint
 
     def reset(self) -> None:
         for v in self._streams:
@@ -411,9 +398,7 @@ class VadSegmenter:
             lead = max(1, int(self.lead_in_ms / hop_ms))
             del self._history[:-lead]
             early = bool(self.threshold > p >= self.onset_low_threshold and self.onset_evidence is not None
-                         and self.onset_evidence()
-                         or self.onset_low_threshold > p >= self.onset_faint_threshold
-                         and self.onset_faint is not None and self.onset_faint())
+                         and self.onset_evidence())
             if p >= self.threshold and self.onset_gate is not None and not self.onset_gate():
                 self.gated += 1
             elif p >= self.threshold or early:

@@ -316,7 +316,6 @@ class EchoCanceller:
         self._lt_band_far: list[list[float]] = [[] for _ in range(N_BANDS)]
         self.gate_log: list[GateRow] = []  # if record
         self.clear_log: list[GateRow] = []  # the same for near_end_clear (passed = both tests), if record
-        self.faint_log: list[GateRow] = []  # the same for near_end_faint, if record
         self.cold_log: list[tuple] = []  # (frame, expected residual dB) of the cold windows the gate refused, if record
         self._last_soft: Optional[int] = None  # frame of the last gate check within GATE_SOFT_DB of the threshold
         self._floor_hold_until = 0  # frames before this one stay out of the floors (see _keep_onset_out)
@@ -357,7 +356,6 @@ class EchoCanceller:
         self.recorded.clear()
         self.gate_log.clear()
         self.clear_log.clear()
-        self.faint_log.clear()
         self.cold_log.clear()
 
     def set_delay_ms(self, ms: float) -> None:
@@ -967,37 +965,7 @@ class EchoCanceller:
         before = self.near_end_ratio_db(n, CLEAR_SOFT_FRAMES)
         return before is not None and before >= threshold - GATE_SOFT_DB and not self._too_quiet(n)
 
-    def near_end_faint(self, n: int = 512) -> bool:
-        """The faint-window test, for a window the VAD scores under its early-onset threshold but not far under
-        it (the segmenter's ``onset_faint_threshold``, 0.1, to ``onset_low_threshold``, 0.2) while the far end
-        plays: True only when the strong high-band test's plain form (:meth:`_hb_strong_deficit_db`) passes in
-        the last ``n`` samples and in the window ``HB_STRONG_HELD_FRAMES`` (20 ms) earlier, and the output is
-        not louder than the input (``OVER_DB``). False while Speex has not converged, in the strict period after
-        the hand-over, with the far end silent, or before any frame.
-
-        Why (measured here, offline, the bench's voices, echo path and canceller): Silero scored some renderings
-        of en-gb "Stop." 0.10-0.15 for 100-130 ms under the echo, while their "st" passed the strong test from
-        26-56 ms on; they waited for the vowel (136-166 ms). The echo-only windows that Silero scored 0.1-0.2
-        outside the strict period (1302 first and later replies at echo -20 to +10 dB with and without the IR,
-        and the echo before 156 barge-ins) came 4.4 dB short of this test at the closest (a +6 dB room: a
-        high band 7.6 dB over its threshold at -26.4 dB broadband) and every other one more than 8 dB short;
-        with one window's plain form (no earlier window asked) the closest was the same 4.4 dB but the next
-        5.3, and with the held form 3.5 dB."""
-        if not self.warm:
-            return False
-        t = self._band_tests(n)
-        if t is None:
-            return False
-        faint = self._hb_strong_deficit_db(t, n, faint=True)
-        passed = bool(faint is not None and faint <= 0.0 and t[0] <= OVER_DB)
-        if passed:
-            self._keep_onset_out()
-        if self.record:
-            self.faint_log.append(self._log_row(t, passed, faint))
-        return passed
-
-    def _hb_strong_deficit_db(self, t: tuple, n: int = 512, sure: bool = False,
-                              faint: bool = False) -> Optional[float]:
+    def _hb_strong_deficit_db(self, t: tuple, n: int = 512, sure: bool = False) -> Optional[float]:
         """How far the strong high-band test is from passing, dB (0 or less: it passes), on
         :meth:`_band_tests`' figures ``t`` over the last ``n`` samples; None where it is off: not Speex, not
         converged, in the strict period after the hand-over (:meth:`_just_handed_over`), or no high band to
@@ -1010,9 +978,6 @@ class EchoCanceller:
           where the window ``HB_STRONG_HELD_FRAMES`` (20 ms) earlier passed the plain form;
         - sure (``sure``: the onset gate, on a window the VAD scored at its threshold or more): the high band
           ``HB_SURE_DB`` (6 dB) above its threshold over the same level, with no broadband condition.
-
-        ``faint`` (:meth:`near_end_faint`): only the plain form, in this window and in the window
-        ``HB_STRONG_HELD_FRAMES`` earlier (the larger shortfall of the two; None where that window is unknown).
 
         Why: under echo louder than the user, a short stop's broadband ratio stays under the threshold until
         its vowel, and the plain high-band test waits for a high band near its usual level, which a nasal
@@ -1045,13 +1010,9 @@ class EchoCanceller:
         level_short = HB_STRONG_MIN_REL_DB - level
         d = max(hb_short, level_short, HB_STRONG_MIN_RATIO_DB - r)
         before = self._window_db(n, HB_STRONG_HELD_FRAMES)
-        if faint and before is None:
-            return None
         if before is not None:
             r0, hb0, level0 = before
             d0 = max(hb_threshold + HB_STRONG_DB - hb0, HB_STRONG_MIN_REL_DB - level0, HB_STRONG_MIN_RATIO_DB - r0)
-            if faint:
-                return float(max(d, d0))
             d = min(d, max(hb_short, level_short, HB_STRONG_HELD_MIN_RATIO_DB - r, d0))
         if sure:
             d = min(d, max(hb_threshold + HB_SURE_DB - hb, level_short))
@@ -1124,8 +1085,7 @@ class EchoCanceller:
 
 
 class GateRow(NamedTuple):
-    """One onset-gate check (a row of :attr:`EchoCanceller.gate_log`, ``clear_log`` or ``faint_log``), dB
-    rounded to 0.1."""
+    """One onset-gate check (a row of :attr:`EchoCanceller.gate_log` or ``clear_log``), dB rounded to 0.1."""
 
     frame: int  # the canceller's frame count at the check (10 ms frames)
     ratio_db: Optional[float]  # output/input energy of the window (-ERLE on echo alone)
