@@ -760,3 +760,43 @@ def test_speex_hands_back_to_aec3_when_a_reply_starts_on_an_echo_path_it_no_long
     assert ec.handbacks == 1 and ec.probations[2][3] is False
     third = ec.probations[2][0] / 100  # (s) the verdict, 0.5 s of far end into the third reply
     assert all(third - 0.8 <= t <= third for t in onsets), onsets  # the price of trust: that start, served by Speex
+
+
+def _reply_with_a_user_over_its_start(parts, user_at_s: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """The simulated bench's room (echo as loud as the user, 30 ms, RT60 150 ms): a reply, 2 s of silence, the
+    same reply with en-us+f3 "No, actually, tell me about the ocean instead, please." (the bench's long barge-in,
+    its level) starting ``user_at_s`` into it and talking over it to its end (no pause: the double talk a late
+    barge-in decision leaves), 2 s of silence, the reply again with nobody talking. :returns: (far end, microphone,
+    the user's first sample), float32 at 16 kHz."""
+    from appliance.bench import interruption as bench
+
+    reply = fixed_speech(parts.tts, "A rainbow is an arc of colours in the sky. It appears when sunlight passes "
+                                    "through drops of rain, and each drop splits the light like a small prism.")
+    gap = np.zeros(2 * 16000, np.float32)
+    far = np.concatenate([reply, gap, reply, gap, reply])
+    mic, _ = through_room(far, bench.USER_DBFS - bench.active_dbfs(reply))
+    user = bench.at_level(bench.espeak(bench.LONG_INTERRUPTIONS[1], "en-us+f3"), bench.USER_DBFS)
+    at = len(reply) + len(gap) + int(user_at_s * 16000)
+    mic = mic.copy()
+    mic[at : at + len(user)] += user[: len(mic) - at]
+    return far, mic, at
+
+
+def test_a_user_over_a_replys_start_does_not_hand_speex_back(parts):
+    """Speex takes over in the first reply; the user talks over the next reply's start. That probation's window
+    held the user: Speex's linear output keeps a user's voice (-2 to -10 dB per frame), AEC3's suppressor holds
+    its onset back (-30 to -40 dB), so Speex "failed" on the user's voice (measured here on this signal, the
+    i18-s12 probation: medians -8.3 against -38.1 dB, a hand-back, the stand-in serving 9.2 s in all). Frames
+    whose microphone stands ``PROBATION_NEAR_DB`` over the echo the far end predicts, and the
+    ``PROBATION_NEAR_HOLD`` after, are not judged now (85 here): Speex held (-30.5 against -32.0 dB) and kept
+    serving (the stand-in 3.1 s in all, the first reply's)."""
+    pytest.importorskip("livekit", reason="the stand-in is WebRTC AEC3 (livekit)")
+    far, mic, at = _reply_with_a_user_over_its_start(parts, 0.1)
+    ec = EchoCanceller("speex", noise_suppression=True)
+    for i in range(0, len(mic) - 479, 480):
+        ec.process(mic[i : i + 480], far[i : i + 480])
+        if i < at <= i + 480:
+            assert ec.warm and ec.handovers == 1  # Speex took over in the first reply and serves the second
+    assert ec.handbacks == 0 and ec.warm, ec.probations
+    assert ec.probe_skipped >= 50  # the user's frames were not judged
+    assert ec.probations[-1][3] and ec.probations[-1][4]  # the third reply's start: judged, held, Speex serving
