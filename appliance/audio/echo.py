@@ -81,6 +81,18 @@ clipping path built from the JACK room's parts Speex took over at -29 dB where A
 0.5 s later): in the simulated room Speex sat 13-28 dB above AEC3 as it showed convergence in 7 of 24 cold first
 replies, so the hand-over came 0.3-0.4 s later or not at all there, and barge-ins in between 10-170 ms later.
 The cost: AEC3 runs over each reply's first 0.5 s of far end after the hand-over (nothing while idle).
+Two refinements, from the simulated bench carried across cases with one canceller as a service does (the
+probation above, merged alone, was reverted after that bench's stand-in served 0.5-2.2 s of 7 of 9 long barge-in
+cases and those barge-ins took 157-926 ms). Measured here, offline, the same sequence (a first reply, then the nine
+barge-in cases, the reply paused 40 ms after each onset): where the first reply ended before Speex showed
+convergence, main handed over 0.2 s into the second case's reply, and the probation, which held every hand-over to
+its end, made it wait until the user had spoken over the reply and spoilt the floors, so the stand-in served every
+case (1.0-2.3 s each) and the barge-ins were p95 205.6 ms against main's 107.4. So Speex may take over within a
+probation once it holds over ``PROBATION_EARLY_FRAMES`` of the reply's frames (the verdict at the end judges it all the
+same). And a user talking over a reply's start made a converged Speex fail (its linear output keeps the user's
+voice, AEC3's suppressor holds a user's onset back): frames with a near end, by the echo the far end predicts, are
+not judged (:meth:`_judge`). On the JACK echo-only streams above, both leave every verdict as it was (2 echo
+onsets, ERLE 30.0 dB).
 
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
@@ -181,8 +193,8 @@ OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end
 OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
-PROBATION_FRAMES = 50  # a reply's first far-active frames (0.5 s) after such a silence: AEC3 processes them beside
-#   Speex (serving them unless Speex is trusted) and Speex is judged on them: EchoCanceller._probation_verdict ...
+PROBATION_FRAMES = 50  # a reply's first far-active frames with no near end (0.5 s) after such a silence: AEC3 processes
+#   them beside Speex (serving them unless Speex is trusted) and Speex is judged on them: EchoCanceller._probation_verdict ...
 PROBATION_MARGIN_DB = 10.0  # ... Speex fails where its median output/input ratio per frame is this much above AEC3's ...
 PROBATION_MAX_DB = -25.0  # ... and above this (a Speex that removes 25 dB of the reply's start passes whatever AEC3 does)
 PROBATION_NEAR_DB = 10.0  # a frame whose microphone stands this far over the echo the far end predicts, in some band
@@ -705,9 +717,11 @@ class EchoCanceller:
 
     def _update_mode(self, n: int, grew: bool = True) -> None:
         """Hand over from the stand-in to Speex once :meth:`converged`: from then on the converged onset gate
-        keeps Speex's residual out. Not within a reply's probation (its first ``PROBATION_FRAMES`` far-active
-        frames after a silence), nor for the rest of a reply whose start Speex failed while it showed
-        convergence (:meth:`_probation_verdict`). Back to the stand-in only on such a verdict, never on Speex's
+        keeps Speex's residual out. Within a reply's probation (its first ``PROBATION_FRAMES`` far-active
+        frames with no near end after a silence) only once Speex holds over ``PROBATION_EARLY_FRAMES`` of them
+        (:meth:`_speex_holds`; holding the hand-over to the probation's end made it wait, in the simulated bench's
+        barge-in cases, until the user had spoken over the reply, and then it never came), and not for the rest
+        of a reply whose start Speex failed while it showed convergence (:meth:`_probation_verdict`). Back to the stand-in only on such a verdict, never on Speex's
         floors alone: a user talking over the reply raises them for seconds, and sending the VAD back to AEC3
         then held back the next barge-in (measured here). ``grew``: a band's floor took a frame in this call
         (convergence is asked only then: nothing else moves it)."""
@@ -826,8 +840,8 @@ class EchoCanceller:
         return bool(spx < aec3 + PROBATION_MARGIN_DB or spx <= PROBATION_MAX_DB)
 
     def _probation_verdict(self) -> None:
-        """The end of a reply's probation: its first ``PROBATION_FRAMES`` far-active frames after a silence of
-        ``restart_after_silence_s``, which AEC3 (the stand-in, started afresh) processed beside Speex, serving
+        """The end of a reply's probation: its first ``PROBATION_FRAMES`` far-active frames with no near end
+        (:meth:`_judge`) after a silence of ``restart_after_silence_s``, which AEC3 (the stand-in, started afresh) processed beside Speex, serving
         them itself unless Speex had just taken over or held the probation before (``_trusted``). Speex fails when the median of its per-frame output/input ratios is above ``PROBATION_MAX_DB``
         and ``PROBATION_MARGIN_DB`` or more above AEC3's on the same frames. Failed while serving (warm):
         the stand-in serves on (a hand-back) and Speex's band floors start afresh, so that it takes over
