@@ -193,8 +193,9 @@ OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end
 OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
-PROBATION_FRAMES = 50  # a reply's first far-active frames with no near end (0.5 s) after such a silence: AEC3 processes
-#   them beside Speex (serving them unless Speex is trusted) and Speex is judged on them: EchoCanceller._probation_verdict ...
+PROBATION_FRAMES = 50  # a reply's first far-active frames with no near end (0.5 s) after such a silence: AEC3
+#   processes them beside Speex (serving them unless Speex is trusted) and Speex is judged on them:
+#   EchoCanceller._probation_verdict ...
 PROBATION_MARGIN_DB = 10.0  # ... Speex fails where its median output/input ratio per frame is this much above AEC3's ...
 PROBATION_MAX_DB = -25.0  # ... and above this (a Speex that removes 25 dB of the reply's start passes whatever AEC3 does)
 PROBATION_NEAR_DB = 10.0  # a frame whose microphone stands this far over the echo the far end predicts, in some band
@@ -721,9 +722,10 @@ class EchoCanceller:
         frames with no near end after a silence) only once Speex holds over ``PROBATION_EARLY_FRAMES`` of them
         (:meth:`_speex_holds`; holding the hand-over to the probation's end made it wait, in the simulated bench's
         barge-in cases, until the user had spoken over the reply, and then it never came), and not for the rest
-        of a reply whose start Speex failed while it showed convergence (:meth:`_probation_verdict`). Back to the stand-in only on such a verdict, never on Speex's
-        floors alone: a user talking over the reply raises them for seconds, and sending the VAD back to AEC3
-        then held back the next barge-in (measured here). ``grew``: a band's floor took a frame in this call
+        of a reply whose start Speex failed while it showed convergence (:meth:`_probation_verdict`). Back to
+        the stand-in only on such a verdict, never on Speex's floors alone: a user talking over the reply
+        raises them for seconds, and sending the VAD back to AEC3 then held back the next barge-in (measured
+        here). ``grew``: a band's floor took a frame in this call
         (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
@@ -808,7 +810,7 @@ class EchoCanceller:
         -2 to -10 dB per frame where AEC3's suppressor, which holds back a user's onset, left -30 to -40: the
         median over the window failed Speex (-6.5 against -35.4 dB) and handed it back for the user's voice,
         not for an echo it no longer fits. Those frames stood 7-27 dB over the predicted echo; echo alone
-        on the drifting clipping JACK streams at most 12.7, mostly under 8 (see ``PROBATION_NEAR_DB``)."""
+        on the drifting clipping JACK streams at most 12.7 dB (see ``PROBATION_NEAR_DB``)."""
         e_aec3 = _energy(aec3_out)
         if self._probation_left > 0 and not self.warm and self.converged():
             self._probe_claimed = True
@@ -841,9 +843,10 @@ class EchoCanceller:
 
     def _probation_verdict(self) -> None:
         """The end of a reply's probation: its first ``PROBATION_FRAMES`` far-active frames with no near end
-        (:meth:`_judge`) after a silence of ``restart_after_silence_s``, which AEC3 (the stand-in, started afresh) processed beside Speex, serving
-        them itself unless Speex had just taken over or held the probation before (``_trusted``). Speex fails when the median of its per-frame output/input ratios is above ``PROBATION_MAX_DB``
-        and ``PROBATION_MARGIN_DB`` or more above AEC3's on the same frames. Failed while serving (warm):
+        (:meth:`_judge`) after a silence of ``restart_after_silence_s``, which AEC3 (the stand-in, started
+        afresh) processed beside Speex, serving them itself unless Speex had just taken over or held the
+        probation before (``_trusted``). Speex fails when the median of its per-frame output/input ratios is
+        above ``PROBATION_MAX_DB`` and ``PROBATION_MARGIN_DB`` or more above AEC3's on the same frames. Failed while serving (warm):
         the stand-in serves on (a hand-back) and Speex's band floors start afresh, so that it takes over
         again only once it shows convergence anew; failed where it had shown convergence but not taken
         over: no hand-over in this reply. Passed: Speex serves (again).
