@@ -201,7 +201,7 @@ PROBATION_MAX_DB = -25.0  # ... and above this (a Speex that removes 25 dB of th
 PROBATION_NEAR_DB = 10.0  # a frame whose microphone stands this far over the echo the far end predicts, in some band
 #   (EchoCanceller._predict_echo, no margin), holds a user and is not judged (_judge): a user's voice over a reply's
 #   start stood 7-27 dB over it; echo alone on the drifting clipping JACK streams at most 12.7 dB, 90 % of frames
-#   under 4.5-11.7 (measured here, offline) ...
+#   under 2.8-11.7 (measured here, offline) ...
 PROBATION_NEAR_HOLD = 10  # ... nor are the frames this long after it (a user's quieter sounds between the loud ones)
 PROBATION_EARLY_FRAMES = 20  # Speex that shows convergence within a probation takes over there once it holds (as
 #   _speex_holds says) over this many of the reply's frames judged so far; the verdict at the end judges it all the same
