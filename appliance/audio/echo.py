@@ -385,6 +385,7 @@ class EchoCanceller:
         self._tail_broken = False  # a band rose TAIL_MARGIN_DB over the predicted tail in this silence
         self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
         self._tail_decays: list[float] = []  # dB per frame, one per silence measured (the newest TAIL_SILENCES)
+        self._tail_decay = TAIL_DECAY_DB  # ... their median, within TAIL_DECAY_RANGE_DB (tail_decay_db)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -771,8 +772,13 @@ class EchoCanceller:
             self._tail_anchor = b_in.copy() if self._tail_anchor is None else np.maximum(self._tail_anchor, b_in)
             return
         if self._tail_anchor is None:
-            return  # a silence that began before this canceller's first frame
-        pred = self._tail_anchor * 10 ** (-self.tail_decay_db * (k - TAIL_ANCHOR_FRAMES) / 10)
+            return  # the tail is over (or the silence began before this canceller's first frame)
+        decay = self.tail_decay_db
+        if (k - TAIL_ANCHOR_FRAMES) * decay >= TAIL_LENGTH_DB and k - TAIL_ANCHOR_FRAMES > TAIL_FIT_FRAMES:
+            self._end_tail_fit()
+            self._tail_anchor = None  # nothing more to follow until the far end plays again (idle: no work)
+            return
+        pred = self._tail_anchor * 10 ** (-decay * (k - TAIL_ANCHOR_FRAMES) / 10)
         quiet_far = e_far < TAIL_FAR_SILENT * FRAME  # (a far end between this and FAR_ACTIVE still has an echo)
         if quiet_far and np.any((b_in >= pred * 10 ** (TAIL_MARGIN_DB / 10)) & (b_in >= TAIL_MIN_POWER * FRAME)):
             self._tail_broken = True
@@ -787,12 +793,16 @@ class EchoCanceller:
         """A silence's measurement is complete: its decay (the slope of a line through its frames' dB, negated)
         joins the newest ``TAIL_SILENCES``, if it had ``TAIL_FIT_MIN_FRAMES`` frames (and the microphone was not
         digitally silent)."""
+        if not self._tail_fit:
+            return
         fit, self._tail_fit = self._tail_fit, []
         if len(fit) < TAIL_FIT_MIN_FRAMES or fit[0][1] < 10.0 * np.log10(TAIL_MIN_POWER * FRAME):
             return
         k, level = np.array(fit).T
         self._tail_decays.append(float(-np.polyfit(k, level, 1)[0]))
         del self._tail_decays[:-TAIL_SILENCES]
+        lo, hi = TAIL_DECAY_RANGE_DB
+        self._tail_decay = float(min(hi, max(lo, np.median(self._tail_decays))))
 
     @property
     def tail_decay_db(self) -> float:
@@ -800,10 +810,7 @@ class EchoCanceller:
         median of the newest ``TAIL_SILENCES`` silences' measurements (a user talking into one measures it
         slower, which only holds the gate longer), within ``TAIL_DECAY_RANGE_DB``; ``TAIL_DECAY_DB`` before
         any."""
-        if not self._tail_decays:
-            return TAIL_DECAY_DB
-        lo, hi = TAIL_DECAY_RANGE_DB
-        return float(min(hi, max(lo, np.median(self._tail_decays))))
+        return self._tail_decay
 
     def _tail_test(self) -> Optional[bool]:
         """In the echo's tail (the far end silent for more than ``TAIL_ANCHOR_FRAMES``, and the predicted tail
