@@ -183,7 +183,9 @@ TAIL_SILENCES = 8  # ... the median of the last this many silences' decays
 TAIL_FAR_SILENT = 10 ** (-75 / 10)  # mean far-end power per sample under which a frame counts for the measurement,
 #   and may break the tail (see EchoCanceller._follow_tail)
 TAIL_MARGIN_DB = 10.0  # a band of the microphone this far above the tail predicted there is not the tail
-TAIL_LENGTH_DB = 60.0  # the tail is over once the prediction has decayed this far from its anchor
+TAIL_LENGTH_DB = 60.0  # the tail is over once the prediction has decayed this far from its anchor ...
+TAIL_MAX_FRAMES = 60  # ... or after this many frames of silence (before UNBANDED_FRAMES: the bands of idle frames are
+#   not computed, so the tail must be over before a silence can become idle)
 TAIL_MIN_POWER = 10 ** (-85 / 10)  # mean power per sample under which a band cannot break the tail
 EXPLAINED_DB = 6.0  # the stand-in's gate: a window whose every band sits within this of the echo the far end predicts
 #   there (over_echo's prediction) is our own echo, whatever AEC3 left of it (EchoCanceller._echo_explained)
@@ -380,7 +382,7 @@ class EchoCanceller:
         self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
         # The echo's tail in the far end's silences (see _follow_tail): the room's decay, measured, and the tail
         # predicted from the microphone's own bands.
-        self._tail_k = 0  # far-silent frames since the far end last played (0: it plays)
+        self._tail_k = TAIL_MAX_FRAMES  # far-silent frames since the far end last played (0: it plays; none yet: over)
         self._tail_anchor: Optional[np.ndarray] = None  # the microphone's bands at the tail's start (their maximum)
         self._tail_broken = False  # a band rose TAIL_MARGIN_DB over the predicted tail in this silence
         self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
@@ -766,6 +768,8 @@ class EchoCanceller:
             self._end_tail_fit()
             self._tail_k, self._tail_anchor, self._tail_broken = 0, None, False
             return
+        if self._tail_k >= TAIL_MAX_FRAMES:
+            return  # the tail is over (or the far end has not played since this canceller was built)
         self._tail_k += 1
         k = self._tail_k
         if k <= TAIL_ANCHOR_FRAMES:
@@ -774,7 +778,8 @@ class EchoCanceller:
         if self._tail_anchor is None:
             return  # the tail is over (or the silence began before this canceller's first frame)
         decay = self.tail_decay_db
-        if (k - TAIL_ANCHOR_FRAMES) * decay >= TAIL_LENGTH_DB and k - TAIL_ANCHOR_FRAMES > TAIL_FIT_FRAMES:
+        if (k - TAIL_ANCHOR_FRAMES) * decay >= TAIL_LENGTH_DB and k - TAIL_ANCHOR_FRAMES > TAIL_FIT_FRAMES \
+                or k >= TAIL_MAX_FRAMES:
             self._end_tail_fit()
             self._tail_anchor = None  # nothing more to follow until the far end plays again (idle: no work)
             return
@@ -814,7 +819,7 @@ class EchoCanceller:
 
     def _tail_test(self) -> Optional[bool]:
         """In the echo's tail (the far end silent for more than ``TAIL_ANCHOR_FRAMES``, and the predicted tail
-        not yet ``TAIL_LENGTH_DB`` under its anchor): whether some band of the microphone has risen
+        not yet ``TAIL_LENGTH_DB`` under its anchor nor ``TAIL_MAX_FRAMES`` long): whether some band of the microphone has risen
         ``TAIL_MARGIN_DB`` over the tail predicted there in this silence (True: not the tail alone). None
         outside the tail: while the far end plays or within its first frames (the echo's delay), and once the
         tail has died away.
@@ -825,12 +830,14 @@ class EchoCanceller:
         on a window of its own tail that the AEC3 stand-in had not reduced at all (+2.3 dB out over in); and
         the tail outlasts the 200 ms after which the gate took the far end for silent (60 dB in 300 ms)."""
         k = self._tail_k - TAIL_ANCHOR_FRAMES
-        if k <= 0 or self._tail_anchor is None or k * self.tail_decay_db >= TAIL_LENGTH_DB:
+        if k <= 0 or self._tail_anchor is None or k * self.tail_decay_db >= TAIL_LENGTH_DB \
+                or self._tail_k >= TAIL_MAX_FRAMES:
             return None
         return self._tail_broken
 
     def _echo_explained(self) -> bool:
-        """While the far end plays: every band of the microphone's newest 3 frames sits within ``EXPLAINED_DB``
+        """While the far end plays (or within ``TAIL_ANCHOR_FRAMES`` of its stop, the echo's delay): every band of
+        the microphone's newest 3 frames sits within ``EXPLAINED_DB``
         of the echo that the far end predicts there (:meth:`over_echo`'s prediction: its gain measured, plus the
         room's noise), so nothing in them is not our own echo. False where the prediction is not known yet.
 
@@ -839,6 +846,8 @@ class EchoCanceller:
         a silence between two pieces, and its gate passed them (measured here, offline, 34 first replies with
         the echo 6 dB louder than what is played: 9 paused). Those windows sat at most 2.5 dB above the
         prediction in any band."""
+        if self._tail_k > TAIL_ANCHOR_FRAMES:
+            return False  # past the echo's delay into a silence: the tail test's (_tail_test), or no echo at all
         gain, noise = self._over_echo_stats() if self._oe_lt_in else (None, None)
         if gain is None or len(self._oe_in) < 3:
             return False
