@@ -23,6 +23,7 @@ the room's impulse response, or no echo path) starts with ``first_reply`` scenar
 fresh canceller (the first reply after a start), one question and its whole reply with nobody talking
 over it, every pause counted. The rest of the room's scenarios then run, one after the other, on the
 canceller those replies left, as a running service's canceller has met the replies before (``later``).
+A more reverberant room (RT60 ``REVERB_RT60_MS``) has first replies only (:func:`first_reply_cases`).
 
 Why one module over 500 lines: the suite, one case's run and the summary share the case and outcome
 types and the ground truth's conventions (onsets at -40 dBFS, silence at -50 dBFS); the cases and the
