@@ -498,6 +498,57 @@ def test_the_first_reply_does_not_pause_on_itself_after_the_hand_over(parts, lea
     assert onsets == []
 
 
+def _pieces(parts, first: str, rest: str, gap_ms: int) -> np.ndarray:
+    """A reply as the product plays it: its first piece (the first words, sent to Piper at once), a silence of
+    ``gap_ms`` while the rest is synthesised, then the rest; fixed renderings, 0.5 s of silence before."""
+    return np.concatenate([np.zeros(8000, np.float32), fixed_speech(parts.tts, first),
+                           np.zeros(gap_ms * 16, np.float32), fixed_speech(parts.tts, rest),
+                           np.zeros(9600, np.float32)])
+
+
+@pytest.mark.parametrize("first,rest,gap_ms,onset_s", [
+    ("A rainbow is", "a colorful arc of light in the sky, made by sunlight and rain.", 600, 2.50),
+    ("Sure. I can", "help with that. Tell me a little more about what you need.", 300, 1.63)])
+def test_the_first_reply_in_a_reverberant_room_does_not_pause_on_its_own_echo(parts, first, rest, gap_ms, onset_s):
+    """The first reply after a start, nobody talking, in a room with RT60 300 ms and the echo 6 dB louder than
+    what is played (a user's room, issue 14), through the listener's own segmenter and onset gate. On main
+    (f2e3ced) it paused on itself at ``onset_s`` (measured here), while the AEC3 stand-in served: right after
+    the silence between the reply's two pieces, a window of which AEC3 had removed 8-10 dB; and in the tail of
+    "Sure." where the echo rang on past the 200 ms the gate assumed. Now the gate refuses what the far end's
+    predicted echo explains (:meth:`EchoCanceller._echo_explained`) and holds through the tail at the decay it
+    measured (:meth:`EchoCanceller._tail_test`)."""
+    far = _pieces(parts, first, rest, gap_ms)
+    mic, room = through_room(far, 6.0, synthetic_ir(300.0))
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    seg = VadSegmenter(SileroVad())
+    seg.use_gate(ec.near_end_present, ec.near_end_clear)
+    onsets, stand_in_at = [], []
+    for i, played in enumerate(room.output):
+        events = seg.push(ec.process(mic[i * FRAME : (i + 1) * FRAME], played))
+        onsets += [round(e.t_sample / 16000, 2) for e in events if e.kind == "onset"]
+        if abs((i + 1) * FRAME / 16000 - onset_s) < 0.005:
+            stand_in_at.append(ec.stand_in_active)
+    assert onsets == []
+    assert stand_in_at == [True]  # the stand-in served where main paused ...
+    assert seg.gated >= 1  # ... and the gate refused windows that Silero took for speech
+    assert 1.6 <= ec.tail_decay_db <= 2.6  # the room's decay, measured: 60 dB / 300 ms = 2 dB per 10 ms frame
+
+
+@pytest.mark.parametrize("rt60_ms", [150.0, 300.0])
+def test_the_echo_tails_decay_is_measured_in_the_far_ends_silences(parts, rt60_ms):
+    """The decay that the gate holds the echo's tail for is the room's, measured in the silences of the reply
+    (Piper's pauses, the gap between pieces), not a fixed RT60: 60 dB over RT60, in dB per 10 ms frame. Before
+    any silence it is a long room's (RT60 600 ms)."""
+    ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
+    assert ec.tail_decay_db == 1.0
+    far = _pieces(parts, "A rainbow is", "a colorful arc of light in the sky, made by sunlight and rain.", 600)
+    mic, room = through_room(far, 0.0, synthetic_ir(rt60_ms))
+    for i, played in enumerate(room.output):
+        ec.process(mic[i * FRAME : (i + 1) * FRAME], played)
+    want = 600.0 / rt60_ms
+    assert 0.75 * want <= ec.tail_decay_db <= 1.1 * want
+
+
 def test_the_stand_in_gate_is_strict_before_its_echo_floor_is_known(parts):
     """The AEC3 stand-in removes only 7-14 dB of the first reply's first words, and before its own echo floor
     exists (0.8 s of far end) its gate used gate_db (-10 dB) with the soft pass: this reply's first words

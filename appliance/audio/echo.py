@@ -108,8 +108,21 @@ clip): onset -> the window that fired p50 / p95 / max 60 / 212 / 248 ms -> 60 / 
 runs' streams with 200+ echo-only replies (0 and +300 ppm), the same echo onsets as without it (see
 docs/measurements.md). Tried and not kept: Silero on Speex's output (86+ echo windows passed at any setting fast
 enough), the microphone served for 250 ms after a pass (6 echo onsets in 29 replies instead of 1), a slower decay
-(RT60 400 ms: p95 139 ms). Questionable: the decay is the bench room's (RT60 150 ms); a longer room's tail is
-predicted short.
+(RT60 400 ms: p95 139 ms). The decay is the bench room's (RT60 150 ms), or the room's own where it is measured
+slower (below).
+
+A more reverberant room (RT60 300 ms, the echo 6 dB over what is played: a user's room). AEC3's linear filter
+covers about 50 ms of the echo path past its delay (its default length, 13 blocks of 64 samples, as WebRTC's
+EchoCanceller3Config sets it; not measured here), and there it removed only 8-10 dB of some windows of the
+first reply, most of them right after the silence between two pieces of the reply, and its gate passed them; and the echo's
+tail rang on past the 200 ms that the gate took the far end to be recent. So (measured here, offline, 34 first
+replies with the product's piece gaps: 9 paused, 0 now; see :meth:`EchoCanceller._echo_explained`):
+
+- the room's decay is measured in the far end's silences (:attr:`EchoCanceller.tail_decay_db`), and in a
+  silence the tail is predicted from the microphone's own bands at its start; the gate holds until a band
+  rises over that prediction or it has decayed 60 dB (:meth:`EchoCanceller._tail_test`);
+- while the stand-in serves, a window that the far end's predicted echo explains in every band is refused
+  whatever AEC3 left of it (:meth:`EchoCanceller._echo_explained`).
 
 Measured here (x86_64, 2 cores, linear echo path, Piper speech as far end): see ``appliance bench
 interruption`` (``erle_db``) and ``tests/test_echo.py``.
@@ -193,6 +206,24 @@ OVER_ECHO_FLOOR_DB = -30.0  # ... or this far under the band's usual level while
 OVER_ECHO_SUPPRESSED_DB = 20.0  # ... and only in a frame that AEC3 took at least this much of (its suppressor at work)
 OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end back after RESTART_SILENCE_S) ...
 OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
+TAIL_DECAY_DB = 1.0  # the echo's tail (EchoCanceller.tail_decay_db): its decay, dB per 10 ms frame, before any is
+#   measured (RT60 600 ms: a longer room than most, so the tail is held too long rather than too short) ...
+TAIL_DECAY_RANGE_DB = (1.0, 6.0)  # ... and the measured decay kept within this (RT60 600 down to 100 ms) ...
+TAIL_ANCHOR_FRAMES = 5  # ... measured and predicted from this many frames after the far end stopped (past the echo's
+#   delay, 20-50 ms: the tail is anchored on the loudest of the microphone's bands over those frames) ...
+TAIL_FIT_FRAMES = 40  # ... measured over at most this many frames after them ...
+TAIL_FIT_SPAN_DB = 40.0  # ... while the microphone is at most this far under its level at the anchor ...
+TAIL_FIT_MIN_FRAMES = 5  # ... in silences that gave at least this many such frames ...
+TAIL_SILENCES = 8  # ... the median of the last this many silences' decays
+TAIL_FAR_SILENT = 10 ** (-75 / 10)  # mean far-end power per sample under which a frame counts for the measurement,
+#   and may break the tail (see EchoCanceller._follow_tail)
+TAIL_MARGIN_DB = 10.0  # a band of the microphone this far above the tail predicted there is not the tail
+TAIL_LENGTH_DB = 60.0  # the tail is over once the prediction has decayed this far from its anchor ...
+TAIL_MAX_FRAMES = 60  # ... or after this many frames of silence (before UNBANDED_FRAMES: the bands of idle frames are
+#   not computed, so the tail must be over before a silence can become idle)
+TAIL_MIN_POWER = 10 ** (-85 / 10)  # mean power per sample under which a band cannot break the tail
+EXPLAINED_DB = 6.0  # the stand-in's gate: a window whose every band sits within this of the echo the far end predicts
+#   there (over_echo's prediction) is our own echo, whatever AEC3 left of it (EchoCanceller._echo_explained)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
 PROBATION_FRAMES = 50  # a reply's first far-active frames with no near end (0.5 s) after such a silence: AEC3
@@ -298,7 +329,8 @@ class EchoCanceller:
         state and all, when the far end returns after at least this many seconds of digital silence (None:
         never; for comparison). Why: see :meth:`_restart_due`.
     :param over_echo_db: the stand-in's bypass (:meth:`over_echo`): how far a microphone band must stand over
-        the echo the far end predicts, dB (None: off; for comparison).
+        the echo the far end predicts, dB (None: off; for comparison; the prediction still serves
+        :meth:`_echo_explained`).
     :raises UserError: an unknown backend or its package is missing.
 
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
@@ -404,6 +436,14 @@ class EchoCanceller:
         self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
         self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before, and served (kept 64)
         self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
+        # The echo's tail in the far end's silences (see _follow_tail): the room's decay, measured, and the tail
+        # predicted from the microphone's own bands.
+        self._tail_k = TAIL_MAX_FRAMES  # far-silent frames since the far end last played (0: it plays; none yet: over)
+        self._tail_anchor: Optional[np.ndarray] = None  # the microphone's bands at the tail's start (their maximum)
+        self._tail_broken = False  # a band rose TAIL_MARGIN_DB over the predicted tail in this silence
+        self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
+        self._tail_decays: list[float] = []  # dB per frame, one per silence measured (the newest TAIL_SILENCES)
+        self._tail_decay = TAIL_DECAY_DB  # ... their median, within TAIL_DECAY_RANGE_DB (tail_decay_db)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -501,7 +541,7 @@ class EchoCanceller:
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
         oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
         near_db = np.full(n, np.nan)  # per frame: the microphone over the echo the far end predicts, dB (_predict_echo)
-        if b_far is not None and self._stand_in_ready and self.over_echo_db is not None:
+        if b_far is not None and self._stand_in_ready:
             if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
                 self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
                 self._oe_smear = np.zeros(N_BANDS)
@@ -522,6 +562,7 @@ class EchoCanceller:
                 self._lt_hb_out.append(self._hb_out[-1])
                 self._lt_new += 1
                 self._far_frames += 1
+            self._follow_tail(float(e_in[i]), float(e_far[i]), b_in[i])
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
             if oe_stats is not None:
@@ -763,7 +804,10 @@ class EchoCanceller:
         :returns: how far the microphone stands over the predicted echo in its most-over band (the newest 3
         frames, no margin), dB; NaN before the echo path's gain is known."""
         lo, hi = OVER_ECHO_DELAY_FRAMES
-        self._oe_smear = np.maximum(b_far, self._oe_smear * 10 ** (-OVER_ECHO_DECAY_DB / 10))
+        # (the room's decay where it is measured slower than the bench's: the prediction must not fall faster
+        #   than the tail)
+        decay = min(OVER_ECHO_DECAY_DB, self.tail_decay_db)
+        self._oe_smear = np.maximum(b_far, self._oe_smear * 10 ** (-decay / 10))
         self._oe_smeared.append(self._oe_smear)
         del self._oe_smeared[:-hi]
         pred = np.max(self._oe_smeared[:-lo], axis=0) if len(self._oe_smeared) > lo else np.zeros(N_BANDS)
@@ -781,13 +825,14 @@ class EchoCanceller:
         gain, noise = stats
         if gain is not None and len(self._oe_in) == 3:
             echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
-            margin = np.full(N_BANDS, self.over_echo_db)
-            margin[-1] += OVER_ECHO_HB_EXTRA_DB
-            if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
-                margin += OVER_ECHO_NEW_DB
             mic = np.sum(self._oe_in, axis=0)
-            over = bool(np.any(mic >= 10 ** (margin / 10) * (echo + 1e-10)))
             over_db = float(np.max(10 * np.log10((mic + 1e-20) / (echo + 1e-10))))
+            if self.over_echo_db is not None:  # (the bypass off: the prediction still serves _judge and the tail)
+                margin = np.full(N_BANDS, self.over_echo_db)
+                margin[-1] += OVER_ECHO_HB_EXTRA_DB
+                if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
+                    margin += OVER_ECHO_NEW_DB
+                over = bool(np.any(mic >= 10 ** (margin / 10) * (echo + 1e-10)))
         self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
         self._oe_frame.append(over)
         del self._oe_frame[:-2], self._oe_pass[:-64]
@@ -879,6 +924,103 @@ class EchoCanceller:
             self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear(), self._oe_pass.clear()
         elif self._probe_claimed:
             self._no_handover_reply = True
+
+    def _follow_tail(self, e_in: float, e_far: float, b_in: np.ndarray) -> None:
+        """One frame of the echo tail's bookkeeping (``e_in``, ``e_far``: the frame's microphone and far-end
+        energy; ``b_in``: the microphone's band energies, float64 [N_BANDS]): in a far-end silence, the tail is
+        anchored on the microphone's bands over its first ``TAIL_ANCHOR_FRAMES`` and predicted to decay by
+        :attr:`tail_decay_db` a frame from there; a band ``TAIL_MARGIN_DB`` over the prediction breaks it (see
+        :meth:`_tail_test`); and the decay is measured (a line fit to the microphone's dB over the frames after
+        the anchor, see :attr:`tail_decay_db`)."""
+        if e_far >= FAR_ACTIVE * FRAME:
+            self._end_tail_fit()
+            self._tail_k, self._tail_anchor, self._tail_broken = 0, None, False
+            return
+        if self._tail_k >= TAIL_MAX_FRAMES:
+            return  # the tail is over (or the far end has not played since this canceller was built)
+        self._tail_k += 1
+        k = self._tail_k
+        if k <= TAIL_ANCHOR_FRAMES:
+            self._tail_anchor = b_in.copy() if self._tail_anchor is None else np.maximum(self._tail_anchor, b_in)
+            return
+        if self._tail_anchor is None:
+            return  # the tail is over (or the silence began before this canceller's first frame)
+        decay = self.tail_decay_db
+        if (k - TAIL_ANCHOR_FRAMES) * decay >= TAIL_LENGTH_DB and k - TAIL_ANCHOR_FRAMES > TAIL_FIT_FRAMES \
+                or k >= TAIL_MAX_FRAMES:
+            self._end_tail_fit()
+            self._tail_anchor = None  # nothing more to follow until the far end plays again (idle: no work)
+            return
+        pred = self._tail_anchor * 10 ** (-decay * (k - TAIL_ANCHOR_FRAMES) / 10)
+        quiet_far = e_far < TAIL_FAR_SILENT * FRAME  # (a far end between this and FAR_ACTIVE still has an echo)
+        if quiet_far and np.any((b_in >= pred * 10 ** (TAIL_MARGIN_DB / 10)) & (b_in >= TAIL_MIN_POWER * FRAME)):
+            self._tail_broken = True
+        if k - TAIL_ANCHOR_FRAMES <= TAIL_FIT_FRAMES and quiet_far and not self._tail_broken:
+            level = 10.0 * np.log10(e_in + 1e-20)
+            if not self._tail_fit or level >= self._tail_fit[0][1] - TAIL_FIT_SPAN_DB:
+                self._tail_fit.append((k, level))
+        elif k - TAIL_ANCHOR_FRAMES > TAIL_FIT_FRAMES:
+            self._end_tail_fit()
+
+    def _end_tail_fit(self) -> None:
+        """A silence's measurement is complete: its decay (the slope of a line through its frames' dB, negated)
+        joins the newest ``TAIL_SILENCES``, if it had ``TAIL_FIT_MIN_FRAMES`` frames (and the microphone was not
+        digitally silent)."""
+        if not self._tail_fit:
+            return
+        fit, self._tail_fit = self._tail_fit, []
+        if len(fit) < TAIL_FIT_MIN_FRAMES or fit[0][1] < 10.0 * np.log10(TAIL_MIN_POWER * FRAME):
+            return
+        k, level = np.array(fit).T
+        self._tail_decays.append(float(-np.polyfit(k, level, 1)[0]))
+        del self._tail_decays[:-TAIL_SILENCES]
+        lo, hi = TAIL_DECAY_RANGE_DB
+        self._tail_decay = float(min(hi, max(lo, np.median(self._tail_decays))))
+
+    @property
+    def tail_decay_db(self) -> float:
+        """The echo tail's decay in the far end's silences, dB per 10 ms frame (60 dB over RT60 / 10 ms): the
+        median of the newest ``TAIL_SILENCES`` silences' measurements (a user talking into one measures it
+        slower, which only holds the gate longer), within ``TAIL_DECAY_RANGE_DB``; ``TAIL_DECAY_DB`` before
+        any."""
+        return self._tail_decay
+
+    def _tail_test(self) -> Optional[bool]:
+        """In the echo's tail (the far end silent for more than ``TAIL_ANCHOR_FRAMES``, and the predicted tail
+        not yet ``TAIL_LENGTH_DB`` under its anchor nor ``TAIL_MAX_FRAMES`` long): whether some band of the microphone has risen
+        ``TAIL_MARGIN_DB`` over the tail predicted there in this silence (True: not the tail alone). None
+        outside the tail: while the far end plays or within its first frames (the echo's delay), and once the
+        tail has died away.
+
+        Why: the tail of the room's reverberation follows one exponential decay whatever was said, and a
+        user does not. Measured here, offline: in a room with RT60 300 ms and the echo 6 dB louder than what
+        is played, the first reply after a start paused itself in the far end's silence after "Sure. I can",
+        on a window of its own tail that the AEC3 stand-in had not reduced at all (+2.3 dB out over in); and
+        the tail outlasts the 200 ms after which the gate took the far end for silent (60 dB in 300 ms)."""
+        k = self._tail_k - TAIL_ANCHOR_FRAMES
+        if k <= 0 or self._tail_anchor is None or k * self.tail_decay_db >= TAIL_LENGTH_DB \
+                or self._tail_k >= TAIL_MAX_FRAMES:
+            return None
+        return self._tail_broken
+
+    def _echo_explained(self) -> bool:
+        """While the far end plays (or within ``TAIL_ANCHOR_FRAMES`` of its stop, the echo's delay): every band of
+        the microphone's newest 3 frames sits within ``EXPLAINED_DB``
+        of the echo that the far end predicts there (:meth:`over_echo`'s prediction: its gain measured, plus the
+        room's noise), so nothing in them is not our own echo. False where the prediction is not known yet.
+
+        Why: in a room with RT60 300 ms the AEC3 stand-in, whose linear filter covers about 50 ms of the echo
+        path, removed only 8-10 dB of some windows of the first reply (above 2 kHz 2-13 dB), often right after
+        a silence between two pieces, and its gate passed them (measured here, offline, 34 first replies with
+        the echo 6 dB louder than what is played: 9 paused). Those windows sat at most 2.5 dB above the
+        prediction in any band."""
+        if self._tail_k > TAIL_ANCHOR_FRAMES:
+            return False  # past the echo's delay into a silence: the tail test's (_tail_test), or no echo at all
+        gain, noise = self._over_echo_stats() if self._oe_lt_in else (None, None)
+        if gain is None or len(self._oe_in) < 3:
+            return False
+        echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
+        return bool(np.all(np.sum(self._oe_in, axis=0) < 10 ** (EXPLAINED_DB / 10) * (echo + 1e-10)))
 
     def _stand_in_fed(self) -> bool:
         """Whether the stand-in processes the frames now: while it is active or a probation runs, and the far
@@ -985,6 +1127,13 @@ class EchoCanceller:
           ratio there ``HB_STRONG_DB`` above that threshold, over a high band down to 18 dB under its usual
           level, or here, where the VAD has taken the window for speech, ``HB_SURE_DB`` above it.
 
+        In the far end's silences, while the echo's tail still rings (:meth:`_tail_test`: the far end silent
+        past the echo's delay, the tail not yet decayed ``TAIL_LENGTH_DB`` at the measured decay), a window
+        passes only once some band has risen over the tail predicted there: at once while the stand-in serves,
+        after the echo tail and the window (``tail_ms``) with Speex (which cancels that much of the tail itself).
+        While the stand-in serves, a window that the far end's predicted echo explains (:meth:`_echo_explained`)
+        does not pass on AEC3's figures.
+
         Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
         (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
         speech adds to the input as much as to the output, so it stays near 0 dB), and what the VAD heard
@@ -1023,11 +1172,14 @@ class EchoCanceller:
           (the first form), it held back the bench's first barge-ins after the first replies: a user 6 dB
           under the echo 0.4 s into the next reply was heard 706 ms late (measured here, the full bench).
         """
+        tail = self._tail_test()
         if self.stand_in_active and self._stand_in.frames:
-            return self._stand_in.near_end_present(n) or self.over_echo()
+            if tail is not None:
+                return tail
+            return (self._stand_in.near_end_present(n) and not self._echo_explained()) or self.over_echo()
         t = self._band_tests(n)
         if t is None:
-            return True
+            return True if tail is None else tail
         r, threshold, hb, hb_threshold, level, hb_passed = t
         if not self.warm and self.is_cold(n):
             self._last_soft = None
