@@ -133,9 +133,6 @@ class Conversation:
         self._turn: Optional[_Turn] = None
         self._muted_from: Optional[State] = None
         self._barge_audio_t: Optional[float] = None
-        # The pause came while the echo canceller had not yet shown convergence (the onset's ``echo_cold``): a
-        # short interjection then resumes the reply, it never flushes it (see _cold_resume).
-        self._barge_cold = False
         # A stop word that flushed the reply, held until the user has really stopped talking (``vad_settled``)
         # or joined to what they say next: (info, audio, transcript).
         self._held: Optional[tuple] = None
@@ -345,7 +342,6 @@ class Conversation:
         if self.state == State.SPEAKING:
             self.playback.pause()
             self._barge_audio_t = info.get("audio_t")
-            self._barge_cold = bool(info.get("echo_cold"))
             if self._turn:
                 self._turn.t_onset = info["t"]
             self._emit(Ev.INTERRUPTED, t=self.clock(), onset_t=info["t"], audio_t=info.get("audio_t"))
@@ -372,8 +368,6 @@ class Conversation:
             if decision != BargeInDecision.INTERRUPT:
                 self._resume(info["t"], reason="not speech", heard=self.turn_taker_hypothesis())
                 return
-            if self._cold_resume(info):
-                return
             self._flush(info["t"], reason="short interruption")
             self._hold(info, audio, transcript)
             return
@@ -394,8 +388,6 @@ class Conversation:
             if decision == BargeInDecision.RESUME:
                 self._resume(info["t"], reason="backchannel", transcript=transcript, heard=self.turn_taker_hypothesis())
                 return
-            if self._cold_resume(info):
-                return
             self._flush(info["t"], reason="interruption")
             self._hold(info, audio, transcript)
             return
@@ -411,22 +403,6 @@ class Conversation:
             self._abort_reply(info["t"], reason="user continued")
             self._set(State.LISTENING, info["t"])
         self._start_turn(info, audio, transcript)
-
-    def _cold_resume(self, info: dict) -> bool:
-        """An interjection the turn taker would flush the reply for, shorter than ``backchannel_max_ms``, whose
-        pause came while the echo canceller had not shown convergence (the first seconds of the first reply
-        after a start, or after the echo path changed): resume the reply instead, and say so. Returns whether
-        it did.
-
-        Why: until then the canceller cannot tell a short stretch of the appliance's own echo from a user (in a
-        room with RT60 300 ms and the echo 6 dB louder than what is played, the first reply paused itself and
-        the keyword classifier heard its own echo as a stop word: measured here, in replays), and a flush
-        loses the reply for good; a pause costs a fraction of a second. Longer speech still flushes
-        (:meth:`TurnTaker.during`)."""
-        if not self._barge_cold or info.get("speech_ms", 0.0) >= self.turn_taker.backchannel_max_ms:
-            return False
-        self._resume(info["t"], reason="echo canceller unconverged", heard=self.turn_taker_hypothesis())
-        return True
 
     def _not_a_turn(self) -> None:
         """The utterance that just ended is no turn: the engine rolls back what it pre-filled of it."""

@@ -44,7 +44,7 @@ class Ev(str, enum.Enum):
     STOP_REPLY = "stop_reply"          # source: str
     NEW_CONVERSATION = "new_conversation"  # source: str
     # --- inputs: the listener (the VAD and the wake word), audio_t: s in the microphone's time
-    VAD_ONSET = "vad_onset"            # audio_t: s (microphone time); prob: float; echo_cold: True (canceller unconverged)
+    VAD_ONSET = "vad_onset"            # audio_t: s (microphone time); prob: float
     VAD_START = "vad_start"            # speech_ms: float
     VAD_PROGRESS = "vad_progress"      # speech_ms: float
     VAD_REJECT = "vad_reject"          # speech_ms, audio: float32 [n] 16 kHz, transcript: str | None

@@ -246,9 +246,7 @@ class Listener:
             audio_t = ev.t_sample / MODEL_RATE
             if ev.kind == "onset":
                 self._onset_sample = ev.t_sample
-                # (echo_cold: the canceller has not shown convergence yet, so this may be our own echo)
-                cold = {"echo_cold": True} if self.echo is not None and not getattr(self.echo, "warm", True) else {}
-                self.post(Ev.VAD_ONSET, audio_t=audio_t, prob=round(ev.prob, 3), **cold)
+                self.post(Ev.VAD_ONSET, audio_t=audio_t, prob=round(ev.prob, 3))
             elif ev.kind == "start":
                 self.post(Ev.VAD_START, audio_t=audio_t, speech_ms=round(ev.speech_ms, 1))
             elif ev.kind in ("reject", "end"):

@@ -212,23 +212,6 @@ def test_a_stop_command_alone_stops_and_starts_no_turn():
     assert not any(c[0] == "turn" and c[1] == 2 for c in eng.calls if isinstance(c, tuple))
 
 
-@pytest.mark.parametrize("kind,speech_ms", [("vad_reject", 144.0), ("vad_end", 400.0)])
-def test_a_short_stop_word_while_the_canceller_is_cold_pauses_but_never_flushes(kind, speech_ms):
-    """A pause whose onset came while the echo canceller had not converged (``echo_cold``): an interjection the
-    classifier hears as a stop word resumes the reply if it is shorter than ``backchannel_max_ms`` (it may
-    be the reply's own echo), and flushes it if it is longer; with a converged canceller it flushes."""
-    conv, pb, eng, clf = speaking()
-    run_test(conv, [("vad_onset", {"echo_cold": True})], ["vad_onset", "interrupted", "state:interrupted"])
-    records = run_test(conv, [(kind, {"speech_ms": speech_ms, "audio": say(clf, "No.")})],
-                       [kind, "resumed", "state:speaking"])
-    assert records[1]["reason"] == "echo canceller unconverged" and "flush" not in pb.calls
-    run_test(conv, [("vad_onset", {"echo_cold": True})], ["vad_onset", "interrupted", "state:interrupted"])
-    run_test(conv, [("vad_progress", {"speech_ms": 800.0})], ["flushed", "turn_end", "state:listening"])
-    conv, pb, eng, clf = interrupted()  # converged: the same words flush
-    run_test(conv, [(kind, {"speech_ms": speech_ms, "audio": say(clf, "No.")})],
-             [kind, "flushed", "turn_end", "state:listening", "held"])
-
-
 def test_a_held_interjection_joins_what_follows():
     conv, pb, eng, clf = interrupted()
     run_test(conv, [("vad_end", {"speech_ms": 400.0, "audio": say(clf, "Wait,"), "transcript": "Wait,"}),
