@@ -33,8 +33,8 @@ to tell a band with no echo from an unconverged one). A window whose energy sits
 converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first convergence, never passes the
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
-suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over,
-and is judged again, beside AEC3, at the start of every reply (the probation, below). Just after the hand-over,
+suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
+for good: a new echo path (a device reopened, a reload) gets a new canceller. Just after the hand-over,
 Speex's onset gate is stricter for 2 s of the reply of the hand-over and never passes a window far quieter than the echo's
 usual level: a freshly converged Speex's residual still sounds like speech to Silero (see
 :meth:`EchoCanceller.near_end_present`). A chime at start-up was
@@ -60,39 +60,6 @@ same streams: ``set_stream_delay_ms(33)`` (ERLE over the echo-only frames 22.3 -
 estimate), feeding AEC3 through the silences (22.2 dB), and a far end delayed by the echo delay's change as
 cross-correlation measured it causally, 0.3-0.5 s windows (21.4-26.9 dB: a reply's new delay is known only
 from its echo; the same with the change known in advance: 49.0 dB).
-
-The hand-over at a drifting clock (:meth:`EchoCanceller._probation_verdict`). Measured here, the 48 kHz JACK room
-at +300 ppm with the clipping speaker and 512-frame periods (a Pi's 10 ms ALSA blocks), the service's own streams of
-a live run replayed offline: Speex's floors (energy sums over 2 s, carried by the loudest frames) showed convergence
-within the first replies, Speex took over, and from the next reply on it left a median 10-20 dB of each frame where a
-fresh AEC3 left 35-45 dB: 10 of 10 echo-only replies paused live, 15 echo onsets offline, ERLE 15.3 dB. Across the
-silence between replies the drift moves the echo, and a linear filter converged on the reply before no longer fits
-it. So AEC3 (started afresh, as it is for every reply) runs beside Speex over each reply's first
-``PROBATION_FRAMES`` of far end and the two are compared frame by frame (medians of the per-frame output/input ratios,
-which a user's first frames or a few loud frames do not decide): Speex that fails hands the VAD back to AEC3, and
-the stand-in serves on until Speex shows convergence anew. The stand-in serves a probation itself only after
-Speex failed one or before the first hand-over; a Speex that has just taken over, or held the probation before,
-serves it, judged all the same (measured here: with AEC3 serving every reply's start, the simulated room's
-barge-ins 0.4 s into a reply were 20 ms slower, p95 79 -> 99.5 ms, and a "Stop." 1.5 s into the reply after the
-hand-over 78 instead of 62 ms; the price is the reply after the hand-over's start, served by Speex, on
-the JACK streams below one echo onset). On the same streams: echo onsets 15 -> 2, ERLE 15.3 -> 30.0 dB. Tried and
-not kept: no hand-over while Speex's median over the newest 0.5 s is 15 dB or more above AEC3's (on a drifting
-clipping path built from the JACK room's parts Speex took over at -29 dB where AEC3 left -52, and paused the reply
-0.5 s later): in the simulated room Speex sat 13-28 dB above AEC3 as it showed convergence in 7 of 24 cold first
-replies, so the hand-over came 0.3-0.4 s later or not at all there, and barge-ins in between 10-170 ms later.
-The cost: AEC3 runs over each reply's first 0.5 s of far end after the hand-over (nothing while idle).
-Two refinements, from the simulated bench carried across cases with one canceller as a service does (the
-probation above, merged alone, was reverted after that bench's stand-in served 0.5-2.2 s of 7 of 9 long barge-in
-cases and those barge-ins took 157-926 ms). Measured here, offline, the same sequence (a first reply, then the nine
-barge-in cases, the reply paused 40 ms after each onset): where the first reply ended before Speex showed
-convergence, main handed over 0.2 s into the second case's reply, and the probation, which held every hand-over to
-its end, made it wait until the user had spoken over the reply and spoilt the floors, so the stand-in served every
-case (1.0-2.3 s each) and the barge-ins were p95 205.6 ms against main's 107.4. So Speex may take over within a
-probation once it holds over ``PROBATION_EARLY_FRAMES`` of the reply's frames (the verdict at the end judges it all the
-same). And a user talking over a reply's start made a converged Speex fail (its linear output keeps the user's
-voice, AEC3's suppressor holds a user's onset back): frames with a near end, by the echo the far end predicts, are
-not judged (:meth:`_judge`). On the JACK echo-only streams above, both leave every verdict as it was (2 echo
-onsets, ERLE 30.0 dB).
 
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
@@ -226,18 +193,6 @@ EXPLAINED_DB = 6.0  # the stand-in's gate: a window whose every band sits within
 #   there (over_echo's prediction) is our own echo, whatever AEC3 left of it (EchoCanceller._echo_explained)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
-PROBATION_FRAMES = 50  # a reply's first far-active frames with no near end (0.5 s) after such a silence: AEC3
-#   processes them beside Speex (serving them unless Speex is trusted) and Speex is judged on them:
-#   EchoCanceller._probation_verdict ...
-PROBATION_MARGIN_DB = 10.0  # ... Speex fails where its median output/input ratio per frame is this much above AEC3's ...
-PROBATION_MAX_DB = -25.0  # ... and above this (a Speex that removes 25 dB of the reply's start passes whatever AEC3 does)
-PROBATION_NEAR_DB = 10.0  # a frame whose microphone stands this far over the echo the far end predicts, in some band
-#   (EchoCanceller._predict_echo, no margin), holds a user and is not judged (_judge): a user's voice over a reply's
-#   start stood 7-27 dB over it; echo alone on the drifting clipping JACK streams at most 12.7 dB, 90 % of frames
-#   under 2.8-11.7 (measured here, offline) ...
-PROBATION_NEAR_HOLD = 10  # ... nor are the frames this long after it (a user's quieter sounds between the loud ones)
-PROBATION_EARLY_FRAMES = 20  # Speex that shows convergence within a probation takes over there once it holds (as
-#   _speex_holds says) over this many of the reply's frames judged so far; the verdict at the end judges it all the same
 
 
 def _to_i16(x: np.ndarray) -> np.ndarray:
@@ -359,15 +314,6 @@ class EchoCanceller:
         self._stand_in_ready = bool(stand_in) and backend == "speex"  # wanted (False once it proved unavailable)
         self.stand_in_frames = 0  # frames the stand-in's output went to the VAD
         self.handovers = 0  # stand-in -> Speex hand-overs
-        self.handbacks = 0  # Speex -> stand-in, after a reply's start that Speex failed (_probation_verdict)
-        self.probations: list[tuple] = []  # (frame, Speex's median dB, AEC3's, passed, Speex warm) per verdict
-        self._probation_left = 0  # far-active frames of the reply's start still to judge (see _probation_verdict)
-        self._probe: list[tuple[float, float]] = []  # (Speex's, AEC3's output/input ratio dB) per far-active frame
-        self._probe_hold = 0  # frames still held as near end (_judge)
-        self.probe_skipped = 0  # far-active frames AEC3 processed beside Speex but not judged: a near end (_judge)
-        self._probe_claimed = False  # Speex was warm, or showed convergence, during the probation
-        self._no_handover_reply = False  # Speex failed this reply's start: no hand-over before the next reply
-        self._trusted = False  # Speex took over or passed its last probation: it serves the next one (judged all the same)
         self.warm = backend == "webrtc"  # Speex starts cold (see _update_mode)
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
@@ -493,14 +439,6 @@ class EchoCanceller:
             else:
                 self._restart_pending = True  # the stand-in's, when it is next fed (its far end may be too quiet now)
             self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
-            if self._stand_in_ready and self._stand_in is not None:
-                # The echo path may have moved over the silence (clock drift): Speex is judged on this reply's
-                # start beside AEC3 before it serves (see _probation_verdict).
-                self._probation_left, self._probe, self._probe_hold = PROBATION_FRAMES, [], 0
-                self._probe_claimed, self._no_handover_reply = self.warm, False
-                if self.warm:  # the echo prediction stopped at the hand-over: no stale frames in it
-                    self._oe_smear = np.zeros(N_BANDS)
-                    self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
         t0 = time.perf_counter()
         if bypass:
             out[:] = self._near[:need]
@@ -535,12 +473,9 @@ class EchoCanceller:
         hb_in, hb_out = b_in[:, -1], b_out[:, -1]  # the last band is the high band (>= HB_HZ)
         # The far end's bands only serve the cold start (band floors, hand-over): no FFT of it once warm.
         # While nothing plays the far end is digital silence: its bands are zero without an FFT.
-        # (and over a warm Speex's probation: the echo the far end predicts tells the user from a misfit echo, _judge)
-        b_far = None if self.warm and self._probation_left <= 0 else \
-            (np.zeros((n, N_BANDS)) if far_silent else _band_energies(far))
+        b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else _band_energies(far))
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
         oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
-        near_db = np.full(n, np.nan)  # per frame: the microphone over the echo the far end predicts, dB (_predict_echo)
         if b_far is not None and self._stand_in_ready:
             if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
                 self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
@@ -566,9 +501,7 @@ class EchoCanceller:
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
             if oe_stats is not None:
-                near_db[i] = self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
-            if self.warm:
-                continue  # (a warm Speex's probation: the band floors decide only the hand-over)
+                self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
             if far_silent:
@@ -586,17 +519,13 @@ class EchoCanceller:
             del buf[:-LT_FRAMES]
         self._update_mode(n, grew)
         if self._stand_in_fed():
-            serving = self.stand_in_active
             if self._restart_pending and self._stand_in.frames:
                 self._stand_in._restart_aec3()
                 self.restarts += 1
             self._restart_pending = False
-            a_out = self._stand_in.process(self._near[:need], self._far[:need])
-            self._judge(a_out.reshape(n, FRAME), e_in, e_out, e_far, near_db)
-            if serving:
-                out = a_out
-                self.stand_in_frames += n
-            for i in np.flatnonzero(self._oe_pass[-n:]) if len(self._oe_pass) >= n and serving and not self.warm else ():
+            out = self._stand_in.process(self._near[:need], self._far[:need])
+            self.stand_in_frames += n
+            for i in np.flatnonzero(self._oe_pass[-n:]) if len(self._oe_pass) >= n else ():
                 sl = slice(i * FRAME, (i + 1) * FRAME)
                 if float(np.dot(out[sl], out[sl])) <= float(e_in[i]) * 10 ** (-OVER_ECHO_SUPPRESSED_DB / 10):
                     out[sl] = self._near[sl]  # the user, held back by AEC3's suppressor: see over_echo
@@ -755,26 +684,19 @@ class EchoCanceller:
         Speex: from the start until :meth:`converged`. AEC3 keeps our own
         echo out of the VAD from its first frame (its suppressor starts conservative), at the price of
         holding back a user's first 100-200 ms, so a barge-in is slower until the hand-over but the reply
-        never pauses on itself. Also over a reply's probation unless Speex held the one before, and again
-        after a hand-back (:meth:`_probation_verdict`)."""
-        return (not self.warm or self._probation_left > 0 and not self._trusted) and self._stand_in is not None
+        never pauses on itself."""
+        return not self.warm and self._stand_in is not None
 
     def _update_mode(self, n: int, grew: bool = True) -> None:
-        """Hand over from the stand-in to Speex once :meth:`converged`: from then on the converged onset gate
-        keeps Speex's residual out. Within a reply's probation (its first ``PROBATION_FRAMES`` far-active
-        frames with no near end after a silence) only once Speex holds over ``PROBATION_EARLY_FRAMES`` of them
-        (:meth:`_speex_holds`; holding the hand-over to the probation's end made it wait, in the simulated bench's
-        barge-in cases, until the user had spoken over the reply, and then it never came), and not for the rest
-        of a reply whose start Speex failed while it showed convergence (:meth:`_probation_verdict`). Back to
-        the stand-in only on such a verdict, never on Speex's floors alone: a user talking over the reply
-        raises them for seconds, and sending the VAD back to AEC3 then held back the next barge-in (measured
-        here). ``grew``: a band's floor took a frame in this call
-        (convergence is asked only then: nothing else moves it)."""
+        """Hand over from the stand-in to Speex once :meth:`converged`, for good: from then on the
+        converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
+        the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
+        measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
+        floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if grew and (self._probation_left <= 0 or self._speex_holds(PROBATION_EARLY_FRAMES)) and \
-                not self._no_handover_reply and self.converged():
-            self.warm = self._trusted = True  # (the stand-in is kept: AEC3 runs beside Speex at each reply's start)
+        if grew and self.converged():
+            self.warm, self._stand_in = True, None
             self.handovers += 1
             self._handover_far = self._far_frames
             return
@@ -798,11 +720,9 @@ class EchoCanceller:
         quiet = np.maximum(np.percentile(self._oe_quiet, 5, axis=0), mic / len(kept) * 10 ** (OVER_ECHO_FLOOR_DB / 10))
         return gain, quiet
 
-    def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, stats: tuple) -> float:
+    def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, stats: tuple) -> None:
         """One frame of :meth:`over_echo`'s bookkeeping (``b_in``, ``b_far``: the frame's band energies,
-        float64 [N_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`).
-        :returns: how far the microphone stands over the predicted echo in its most-over band (the newest 3
-        frames, no margin), dB; NaN before the echo path's gain is known."""
+        float64 [N_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`)."""
         lo, hi = OVER_ECHO_DELAY_FRAMES
         # (the room's decay where it is measured slower than the bench's: the prediction must not fall faster
         #   than the tail)
@@ -821,109 +741,23 @@ class EchoCanceller:
             del self._oe_lt_in[:-LT_FRAMES], self._oe_lt_pred[:-LT_FRAMES]
         self._oe_quiet.append(b_in)
         del self._oe_quiet[:-OVER_ECHO_NOISE_FRAMES]
-        over, over_db = False, float("nan")
+        over = False
         gain, noise = stats
-        if gain is not None and len(self._oe_in) == 3:
+        if gain is not None and len(self._oe_in) == 3 and self.over_echo_db is not None:
             echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
-            mic = np.sum(self._oe_in, axis=0)
-            over_db = float(np.max(10 * np.log10((mic + 1e-20) / (echo + 1e-10))))
-            if self.over_echo_db is not None:  # (the bypass off: the prediction still serves _judge and the tail)
-                margin = np.full(N_BANDS, self.over_echo_db)
-                margin[-1] += OVER_ECHO_HB_EXTRA_DB
-                if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
-                    margin += OVER_ECHO_NEW_DB
-                over = bool(np.any(mic >= 10 ** (margin / 10) * (echo + 1e-10)))
+            margin = np.full(N_BANDS, self.over_echo_db)
+            margin[-1] += OVER_ECHO_HB_EXTRA_DB
+            if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
+                margin += OVER_ECHO_NEW_DB
+            over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
         self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
         self._oe_frame.append(over)
         del self._oe_frame[:-2], self._oe_pass[:-64]
-        return over_db
 
     def over_echo(self, frames: int = 2) -> bool:
         """While the stand-in serves: the microphone, in some band, is more than ``over_echo_db`` above the echo
         that the far end predicts there, in two consecutive 10 ms frames, within the newest ``frames`` frames."""
-        return not self.warm and any(self._oe_pass[-frames:])  # (not in a warm Speex's probation)
-
-    def _judge(self, aec3_out: np.ndarray, e_in: np.ndarray, e_out: np.ndarray, e_far: np.ndarray,
-               near_db: np.ndarray) -> None:
-        """One block that AEC3 processed beside Speex: per far-active frame with no near end, Speex's
-        output/input ratio (``e_out`` over ``e_in``, energies [n]) and AEC3's (``aec3_out``, float32 [n, FRAME]),
-        dB, kept for the newest ``PROBATION_FRAMES`` (:meth:`_speex_holds`); a probation's ``PROBATION_FRAMES``-th
-        such frame gives its verdict (:meth:`_probation_verdict`). ``near_db`` (float [n], NaN where unknown):
-        the microphone over the echo the far end predicts (:meth:`_predict_echo`); a frame ``PROBATION_NEAR_DB``
-        or more over it, and the ``PROBATION_NEAR_HOLD`` frames after, hold a near end (a user) and are not judged.
-
-        Why: a user talking over a reply's start (measured here, offline, the simulated room, one canceller
-        carried across cases, a user 0.1 s into the reply and the pause late) left Speex's linear output at
-        -2 to -10 dB per frame where AEC3's suppressor, which holds back a user's onset, left -30 to -40: the
-        median over the window failed Speex (-6.5 against -35.4 dB) and handed it back for the user's voice,
-        not for an echo it no longer fits. Those frames stood 7-27 dB over the predicted echo; echo alone
-        on the drifting clipping JACK streams at most 12.7 dB (see ``PROBATION_NEAR_DB``)."""
-        e_aec3 = _energy(aec3_out)
-        if self._probation_left > 0 and not self.warm and self.converged():
-            self._probe_claimed = True
-        active = (e_far >= FAR_ACTIVE * FRAME) & (e_in > 0)
-        for i in range(len(e_in)):
-            if near_db[i] >= PROBATION_NEAR_DB:  # (False for NaN: nothing predicted yet)
-                self._probe_hold = PROBATION_NEAR_HOLD + 1
-            if self._probe_hold > 0:
-                self._probe_hold -= 1
-                self.probe_skipped += int(active[i])
-                continue
-            if not active[i]:
-                continue
-            self._probe.append((_ratio_db(float(e_out[i]), float(e_in[i])), _ratio_db(float(e_aec3[i]), float(e_in[i]))))
-            if self._probation_left > 0:
-                self._probation_left -= 1
-                if self._probation_left == 0:
-                    self._probation_verdict()
-        del self._probe[:-PROBATION_FRAMES]
-
-    def _speex_holds(self, frames: int = PROBATION_FRAMES) -> bool:
-        """Over the newest ``frames`` (at most ``PROBATION_FRAMES``) far-active frames that AEC3 processed beside
-        Speex (:meth:`_judge`; within a probation, only the reply's own), the median of Speex's per-frame
-        output/input ratios is less than ``PROBATION_MARGIN_DB`` above AEC3's, or at or below
-        ``PROBATION_MAX_DB``; False with fewer frames."""
-        if len(self._probe) < frames:
-            return False
-        spx, aec3 = np.median(np.array(self._probe[-PROBATION_FRAMES:]), axis=0)
-        return bool(spx < aec3 + PROBATION_MARGIN_DB or spx <= PROBATION_MAX_DB)
-
-    def _probation_verdict(self) -> None:
-        """The end of a reply's probation: its first ``PROBATION_FRAMES`` far-active frames with no near end
-        (:meth:`_judge`) after a silence of ``restart_after_silence_s``, which AEC3 (the stand-in, started
-        afresh) processed beside Speex, serving them itself unless Speex had just taken over or held the
-        probation before (``_trusted``). Speex fails when the median of its per-frame output/input ratios is
-        above ``PROBATION_MAX_DB`` and ``PROBATION_MARGIN_DB`` or more above AEC3's on the same frames. Failed while serving (warm):
-        the stand-in serves on (a hand-back) and Speex's band floors start afresh, so that it takes over
-        again only once it shows convergence anew; failed where it had shown convergence but not taken
-        over: no hand-over in this reply. Passed: Speex serves (again).
-
-        Why: Speex's filter is linear and learns slowly; across the silence between replies a drifting clock
-        moves the echo (0.2-1.4 ms at +300 ppm, measured here, the 48 kHz JACK room) and a converged filter
-        no longer fits it. Measured here, offline, on one live run's streams (512-frame JACK periods, +300 ppm,
-        the clipping speaker, 10 echo-only replies): Speex took over 0.3 s before a reply's end (its
-        floors, energy sums, carried by that reply's loudest frames), served that reply well, then left a median 10-20 dB per frame of every later reply where a fresh
-        AEC3 left 35-45 dB; 15 echo onsets, ERLE 15.3 dB. Speex's floors alone cannot tell in time (2 s of
-        far end, the newest 300 ms left out), so it is judged on the reply's start, beside AEC3, before it
-        serves. The median of per-frame ratios, not a ratio of sums: a user's first frames (near 0 dB in
-        Speex, held back by AEC3's suppressor) or a few loud frames do not decide it."""
-        spx, aec3 = np.median(np.array(self._probe[-PROBATION_FRAMES:]), axis=0)
-        passed = self._speex_holds()
-        self.probations.append((self.frames, round(float(spx), 1), round(float(aec3), 1), passed, self.warm))
-        del self.probations[:-64]
-        self._trusted = passed and self.warm
-        if passed:
-            return
-        if self.warm:
-            self.warm = False  # the stand-in serves (it is kept, and fed, while it is not warm)
-            self.handbacks += 1
-            for buf in (*self._lt_band_in, *self._lt_band_out, *self._lt_band_far):
-                buf.clear()  # the floors that showed convergence were measured before the path moved
-            self._band_in.clear(), self._band_far.clear()
-            self._oe_lt_in.clear(), self._oe_lt_pred.clear(), self._oe_smeared.clear()
-            self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear(), self._oe_pass.clear()
-        elif self._probe_claimed:
-            self._no_handover_reply = True
+        return any(self._oe_pass[-frames:])
 
     def _follow_tail(self, e_in: float, e_far: float, b_in: np.ndarray) -> None:
         """One frame of the echo tail's bookkeeping (``e_in``, ``e_far``: the frame's microphone and far-end
@@ -1023,10 +857,9 @@ class EchoCanceller:
         return bool(np.all(np.sum(self._oe_in, axis=0) < 10 ** (EXPLAINED_DB / 10) * (echo + 1e-10)))
 
     def _stand_in_fed(self) -> bool:
-        """Whether the stand-in processes the frames now: while it is active or a probation runs, and the far
-        end played within the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
-        return self._stand_in is not None and (self.stand_in_active or self._probation_left > 0) and \
-            self._far_energy_recent(MODEL_RATE) >= 1e-9
+        """Whether the stand-in processes the frames now: while it is active and the far end played within
+        the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
+        return self.stand_in_active and self._far_energy_recent(MODEL_RATE) >= 1e-9
 
     def near_end_ratio_db(self, n: int = 512, ago: int = 0) -> Optional[float]:
         """Output-to-input energy ratio over the last ``n`` processed samples, dB: about −ERLE while only
@@ -1259,8 +1092,8 @@ class EchoCanceller:
         156 barge-ins' echo of :meth:`_hb_strong_deficit_db`) came 7.6 dB short of this form at the closest
         (a high band 7.6 dB under its threshold at -20.9 dB broadband), no other within 10 dB.
         """
-        if not self.warm or self.stand_in_active:
-            return False  # no early onsets until Speex has shown convergence, nor while the stand-in serves
+        if not self.warm:
+            return False  # no early onsets until Speex has shown convergence
         t = self._band_tests(n)
         if t is None:
             return False
