@@ -81,9 +81,10 @@ slower (below).
 A more reverberant room (RT60 300 ms, the echo 6 dB over what is played: a user's room). AEC3's linear filter
 covers about 50 ms of the echo path past its delay (its default length, 13 blocks of 64 samples, as WebRTC's
 EchoCanceller3Config sets it; not measured here), and there it removed only 8-10 dB of some windows of the
-first reply, most of them right after the silence between two pieces of the reply, and its gate passed them; and the echo's
-tail rang on past the 200 ms that the gate took the far end to be recent. So (measured here, offline, 34 first
-replies with the product's piece gaps: 9 paused, 0 now; see :meth:`EchoCanceller._echo_explained`):
+first reply, most of them right after the silence between two pieces of the reply, and its gate passed them;
+and the echo's tail rang on past the 200 ms that the gate took the far end to be recent. So (measured here,
+offline, 34 first replies with the product's piece gaps: 9 paused, 0 now; see
+:meth:`EchoCanceller._echo_explained`):
 
 - the room's decay is measured in the far end's silences (:attr:`EchoCanceller.tail_decay_db`), and in a
   silence the tail is predicted from the microphone's own bands at its start; the gate holds until a band
@@ -821,9 +822,9 @@ class EchoCanceller:
 
     def _tail_test(self) -> Optional[bool]:
         """In the echo's tail (the far end silent for more than ``TAIL_ANCHOR_FRAMES``, and the predicted tail
-        not yet ``TAIL_LENGTH_DB`` under its anchor nor ``TAIL_MAX_FRAMES`` long): whether some band of the microphone has risen
-        ``TAIL_MARGIN_DB`` over the tail predicted there in this silence (True: not the tail alone). None
-        outside the tail: while the far end plays or within its first frames (the echo's delay), and once the
+        not yet ``TAIL_LENGTH_DB`` under its anchor nor ``TAIL_MAX_FRAMES`` long): whether some band of the
+        microphone has risen ``TAIL_MARGIN_DB`` over the tail predicted there in this silence (True: not the
+        tail alone). None outside the tail: while the far end plays or within its first frames (the echo's delay), and once the
         tail has died away.
 
         Why: the tail of the room's reverberation follows one exponential decay whatever was said, and a
@@ -1085,12 +1086,11 @@ class EchoCanceller:
         The broadband test here has a soft pass of its own (:meth:`_soft_twice`): within ``GATE_SOFT_DB`` of
         the threshold in this window and in the window 20 ms earlier (the gate's soft pass asks its previous
         check, which a window scored under 0.5 never was). A glide or a "w" under louder echo keeps the ratio
-        just under the threshold for tens of ms while the high band is already the user's: measured here,
-        offline (the bench's 99 barge-ins over 12 Piper renderings of the replies), joe's "Wait." at +6 dB was
-        taken 80 ms in instead of 100 and en-us "Stop." 2.0 s into the tests' reply 40 instead of 104 (the tail
-        over all 1188 barely moved: over 85 ms 43 -> 42 cases, p50 and p95 unchanged). The echo-only windows that Silero scored 0.2-0.5 (the 1302 replies and
-        156 barge-ins' echo of :meth:`_hb_strong_deficit_db`) came 7.6 dB short of this form at the closest
-        (a high band 7.6 dB under its threshold at -20.9 dB broadband), no other within 10 dB.
+        just under the threshold for tens of ms while the high band is already the user's (measured here,
+        offline: en-us "Stop." 2.0 s into the tests' reply under echo 6 dB louder was taken 40 ms in instead of
+        104). Echo-only windows that Silero scored 0.2-0.5 came 7.6 dB short of this form at the closest
+        (measured here, offline, over 1302 echo-only replies and 156 barge-ins' echo; figures in
+        docs/measurements.md).
         """
         if not self.warm:
             return False  # no early onsets until Speex has shown convergence
