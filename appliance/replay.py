@@ -74,12 +74,13 @@ def clipped_fraction(audio: np.ndarray) -> float:
     return float(np.mean(loud >= CLIPPED_LEVEL)) if len(loud) else 0.0
 
 
-def unheard_fix(scenario: Scenario, records: list[dict]) -> str:
+def unheard_fix(scenario: Scenario, fragments_ms: list[float]) -> str:
     """What to tell the user when a replay whose input holds speech got no answer: the input is clipped
     (:data:`CLIPPED_FRACTION` of some utterance's speech at full scale), or the VAD heard only fragments shorter
-    than ``vad.min_speech_ms`` (``vad_reject`` in the timeline ``records``), else "louder"."""
+    than ``vad.min_speech_ms`` (``fragments_ms``: their lengths, ms, the report's ``vad_rejects_ms``), else
+    "louder"."""
     clipped = max((clipped_fraction(e.audio) for e in scenario.events if e.speech), default=0.0)
-    fragments = [r.get("speech_ms") for r in records if r.get("event") == Ev.VAD_REJECT]
+    fragments = list(fragments_ms)
     heard = (f"the VAD heard only {len(fragments)} short fragment(s) "
              f"({', '.join(f'{ms:.0f}' for ms in fragments if ms is not None)} ms), each shorter than vad.min_speech_ms"
              if fragments else "")
@@ -280,6 +281,7 @@ def replay(input_path: str | Path, out_dir: str | Path, parts: Parts, cfg: Confi
         "resumes": resumes(timeline.records),
         "self_pauses": self_pauses(timeline.records),
         "flushes": sum(1 for r in timeline.records if r["event"] == "flushed"),
+        "vad_rejects_ms": [r.get("speech_ms") for r in timeline.records if r["event"] == Ev.VAD_REJECT],
         "echo_ms_per_frame": round(session.listener.echo.ms_per_frame, 3)
         if getattr(session.listener.echo, "ms_per_frame", None) else None,
         "states": states,

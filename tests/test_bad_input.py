@@ -291,7 +291,7 @@ def test_unheard_fix_names_short_fragments_when_not_clipped():
 
     audio, _ = sf.read(str(QUESTION), dtype="float32")
     scenario = Scenario([ScriptedUtterance(audio, "hi", "q", at=0.5)])
-    fix = unheard_fix(scenario, [{"event": "vad_reject", "speech_ms": 128.0}, {"event": "vad_reject", "speech_ms": 96.0}])
+    fix = unheard_fix(scenario, [128.0, 96.0])
     assert "2 short fragment(s) (128, 96 ms)" in fix and "clipped" not in fix, fix
     assert unheard_fix(scenario, []) == "give a recording of someone speaking, louder if need be"
 
