@@ -246,6 +246,26 @@ class _Rebuild:
         self.tokens = 0
 
 
+def _gguf_file(name, key: str, missing: str, what: str) -> Path:
+    """The GGUF at ``name``, checked before llama.cpp opens it (its own reasons come cut mid-word: "failed to l").
+
+    :param key: the config key that names the file (``model.gguf``, ``model.mmproj``), for the messages.
+    :param missing: the message's text after the path when the file does not exist.
+    :param what: what the key should name, for the messages (e.g. "the model's .gguf").
+    :raises UserError: not a regular file (a directory, FIFO or device), missing, or empty (0 bytes).
+    """
+    path = Path(name)
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path}: is not a regular file (a directory, FIFO or device); set {key} in the config file "
+                        f"to {what}")
+    if not path.is_file():
+        raise UserError(f"{path}: {missing}")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: the file is empty (0 bytes); set {key} in the config file to {what} (an "
+                        "interrupted download leaves an empty file: fetch it again)")
+    return path
+
+
 class Engine:
     """One llama.cpp model and context holding the conversation.
 
@@ -283,17 +303,9 @@ class Engine:
 
         if "callback" not in _llama_log_state:
             _route_llama_log()
-        path = Path(gguf)
-        if path.exists() and not path.is_file():
-            raise UserError(f"{path}: is not a regular file (a directory, FIFO or device); set model.gguf in the "
-                            "config file to the model's .gguf file")
-        if not path.is_file():
-            raise UserError(f"{path}: model file not found; set model.gguf in the config file to an existing GGUF "
-                            "(`appliance doctor` checks the model files; replay, say and the benches can run on the "
-                            "embedded defaults with --embedded)")
-        if path.stat().st_size == 0:  # llama.cpp's own reason comes cut mid-word ("failed to l")
-            raise UserError(f"{path}: the file is empty (0 bytes); set model.gguf in the config file to the model's "
-                            ".gguf (an interrupted download leaves an empty file: fetch it again)")
+        path = _gguf_file(gguf, "model.gguf", "model file not found; set model.gguf in the config file to an existing "
+                          "GGUF (`appliance doctor` checks the model files; replay, say and the benches can run on the "
+                          "embedded defaults with --embedded)", "the model's .gguf")
         kv_types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
         if _gguf_architecture(path) == "clip":
             raise UserError(f"{path}: is an audio projector (GGUF architecture clip), not the language model; set "
@@ -331,12 +343,8 @@ class Engine:
         if mmproj:
             from .mtmd_audio import AudioModelError, MtmdAudio
 
-            mpath = Path(mmproj)
-            if not mpath.is_file():
-                raise UserError(f"{mpath}: audio projector (mmproj) not found; set model.mmproj in config.yaml")
-            if mpath.stat().st_size == 0:
-                raise UserError(f"{mpath}: the file is empty (0 bytes); set model.mmproj in config.yaml to the audio "
-                                "projector's .gguf (an interrupted download leaves an empty file: fetch it again)")
+            mpath = _gguf_file(mmproj, "model.mmproj", "audio projector (mmproj) not found; set model.mmproj in "
+                               "config.yaml", "the audio projector's .gguf")
             try:
                 with quiet_llama_logs():
                     self.audio = MtmdAudio(self.llm, str(mpath), n_threads=n_threads)

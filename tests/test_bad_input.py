@@ -187,6 +187,9 @@ CASES = [
                                     p.write_bytes(b"") or p), "the file is empty (0 bytes)"),
     ("model-empty-projector", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, GGUF, p := t / "e-mmproj.gguf"))),
                                          p.write_bytes(b"") or p), "the file is empty (0 bytes)"),
+    # it said "audio projector (mmproj) not found" of a directory that is there
+    ("model-projector-a-directory", lambda t: (_replay(QUESTION, t, "--config", str(_models(t, GGUF, p := t / "mmdir"))),
+                                               p.mkdir() or p), "is not a regular file"),
     # stats
     # it said "cannot read it (UnicodeDecodeError); check the path and its permissions"
     ("stats-a-wav", lambda t: (["stats", str(QUESTION)], QUESTION), "give a metrics.jsonl, a replay's timeline.jsonl"),
