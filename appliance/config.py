@@ -469,6 +469,14 @@ def parse(text: str, path: Path) -> Config:
 
     :raises ConfigError: listing every problem (line, key path, expected, found), sorted by line.
     """
+    return _validated(*_document(text, path), path)
+
+
+def _document(text: str, path: Path) -> tuple:
+    """The composed YAML node (for line numbers, None for an empty file) and its data, a dict.
+
+    :raises ConfigError: invalid YAML, or a document that is not a mapping of sections.
+    """
     try:
         node, data = safeyaml.compose(text)
     except yaml.YAMLError as exc:
@@ -481,6 +489,11 @@ def parse(text: str, path: Path) -> Config:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(path, [ConfigProblem(1, "(top)", f"expected a mapping of sections, found {_found(data)}")])
+    return node, data
+
+
+def _validated(node, data: dict, path: Path) -> Config:
+    """:func:`parse`'s validation of a composed document (:func:`_document`)."""
     lines, duplicates = _line_index(node) if node is not None else ({}, [])
     try:
         cfg = Config.model_validate(data, strict=True)
@@ -491,6 +504,23 @@ def parse(text: str, path: Path) -> Config:
     return cfg
 
 
+def _read(path: Path) -> str:
+    return safeyaml.read_text(path, "config file", "check the path (the commented default is config.yaml in the "
+                              "source tree)")
+
+
+def _one_line(path: Path, step):
+    """``step()``, with any exception that is not already a :class:`UserError` turned into one line: whatever
+    the file holds, exit 2 and never a traceback."""
+    try:
+        return step()
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"{path}: cannot load the config ({exc.__class__.__name__}); fix it, then run "
+                        f"`appliance check-config {path}`") from None
+
+
 def load(path: str | Path) -> Config:
     """Read and validate a config file (at most 256 kB of UTF-8 YAML, no anchors or aliases, nesting at
     most 32 deep: see :mod:`appliance.safeyaml`).
@@ -499,15 +529,8 @@ def load(path: str | Path) -> Config:
         regular file, too large, not UTF-8, invalid YAML, invalid values: :class:`ConfigError`).
     """
     path = Path(path)
-    text = safeyaml.read_text(path, "config file", "check the path (the commented default is config.yaml in the "
-                              "source tree)")
-    try:
-        return parse(text, path)
-    except UserError:
-        raise
-    except Exception as exc:  # whatever the file holds, one line and exit 2, never a traceback
-        raise UserError(f"{path}: cannot load the config ({exc.__class__.__name__}); fix it, then run "
-                        f"`appliance check-config {path}`") from None
+    text = _read(path)
+    return _one_line(path, lambda: parse(text, path))
 
 
 # --- cross-field checks (``appliance check-config``) ------------------------------------------------------
@@ -611,35 +634,34 @@ def cross_problems(cfg: Config, lines: Optional[dict[tuple, int]] = None) -> lis
 
 
 def check(path: str | Path) -> Config:
-    """:func:`load`, then :func:`cross_problems` (what ``appliance check-config`` runs).
+    """:func:`load`, then :func:`cross_problems` (what ``appliance check-config`` runs); the file is read
+    and its YAML composed once.
 
     :raises UserError: as :func:`load`; :class:`ConfigError` listing the cross-field problems.
     """
     path = Path(path)
-    try:
-        cfg = load(path)
-    except ConfigError as exc:  # field errors: the cross-field checks still run where their fields are valid
-        raise ConfigError(path, sorted(exc.problems + _cross_problems_of_valid_sections(path, exc.problems),
-                                       key=lambda p: (p.line or 0, p.path))) from None
-    node, _ = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
+    text = _read(path)
+    node, data = _one_line(path, lambda: _document(text, path))
     lines, _ = _line_index(node) if node is not None else ({}, [])
+    try:
+        cfg = _one_line(path, lambda: _validated(node, data, path))
+    except ConfigError as exc:  # field errors: the cross-field checks still run where their fields are valid
+        raise ConfigError(path, sorted(exc.problems + _cross_problems_of_valid_sections(data, lines, exc.problems),
+                                       key=lambda p: (p.line or 0, p.path))) from None
     problems = cross_problems(cfg, lines)
     if problems:
         raise ConfigError(path, problems)
     return cfg
 
 
-def _cross_problems_of_valid_sections(path: Path, problems: list[ConfigProblem]) -> list[ConfigProblem]:
+def _cross_problems_of_valid_sections(data: dict, lines: dict, problems: list[ConfigProblem]) -> list[ConfigProblem]:
     """:func:`cross_problems` for a config with field errors, when the sections those checks read (``model``
-    and ``assistant``) have none: so one run of check-config names them too. [] otherwise (a YAML error,
-    or an error in either section)."""
+    and ``assistant``) have none: so one run of check-config names them too. [] otherwise (an error in
+    either section)."""
     if any(p.path.split(".")[0] in ("model", "assistant", "(yaml)", "(top)") for p in problems):
         return []
     try:
-        node, data = safeyaml.compose(safeyaml.read_text(path, "config file", "check the path"))
-        lines, _ = _line_index(node) if node is not None else ({}, [])
-        cfg = Config.model_validate({k: v for k, v in (data or {}).items() if k in ("model", "assistant")},
-                                    strict=True)
+        cfg = Config.model_validate({k: v for k, v in data.items() if k in ("model", "assistant")}, strict=True)
     except Exception:  # the field errors already reported stand on their own
         return []
     return cross_problems(cfg, lines)
