@@ -391,6 +391,9 @@ class EchoCanceller:
         self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
         self._tail_decays: list[float] = []  # dB per frame, one per silence measured (the newest TAIL_SILENCES)
         self._tail_decay = TAIL_DECAY_DB  # ... their median, within TAIL_DECAY_RANGE_DB (tail_decay_db)
+        # A benchmark's trace (see trace_rows): None (the default) records nothing and costs nothing.
+        self.trace: Optional[list] = None
+        self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -519,7 +522,9 @@ class EchoCanceller:
                     *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
         self._update_mode(n, grew)
-        if self._stand_in_fed():
+        fed = self._stand_in_fed()
+        served = []  # frames of this call whose microphone went to the VAD in the stand-in's place (over_echo)
+        if fed:
             if self._restart_pending and self._stand_in.frames:
                 self._stand_in._restart_aec3()
                 self.restarts += 1
@@ -531,8 +536,12 @@ class EchoCanceller:
                 if float(np.dot(out[sl], out[sl])) <= float(e_in[i]) * 10 ** (-OVER_ECHO_SUPPRESSED_DB / 10):
                     out[sl] = self._near[sl]  # the user, held back by AEC3's suppressor: see over_echo
                     self.over_echo_frames += 1
+                    served.append(int(i))
                 else:
                     self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
+        if self.trace is not None:
+            self._trace_frames(n, e_in, out, "bypass" if bypass else "aec3" if fed else "speex" if self.warm
+                               else "none" if self._stand_in is None else "cold", served)
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -542,6 +551,37 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
+
+    def _trace_frames(self, n: int, e_in: np.ndarray, out: np.ndarray, serving: str, served: list) -> None:
+        """This call's frames in :attr:`trace` (see :meth:`trace_rows`)."""
+        e_out = _energy(out.reshape(n, FRAME))
+        over = self._oe_over[-n:] if len(self._oe_over) >= n else [None] * n
+        self._oe_over = []
+        db = lambda e: round(10.0 * np.log10(float(e) / FRAME + 1e-20), 1)  # noqa: E731
+        for i in range(n):
+            self.trace.append(("frame", self.frames + i, serving, db(e_in[i]), db(e_out[i]), over[i], i in served))
+
+    def _trace_gate(self, test: str, passed: bool, **figures) -> None:
+        """One onset-gate check in :attr:`trace` (see :meth:`trace_rows`)."""
+        if self.trace is not None:
+            self.trace.append(("gate", self.frames, test, bool(passed),
+                               {k: (round(float(v), 1) if isinstance(v, (float, np.floating)) else v)
+                                for k, v in figures.items()}))
+
+    def trace_rows(self) -> list:
+        """What :attr:`trace` (a list, set by a benchmark; None: nothing kept) holds, taken out of it: rows
+        ``("frame", k, serving, in_db, out_db, over_db, served_mic)`` per 10 ms frame ``k`` (this canceller's
+        frame count, 160 samples each from its first), ``serving`` what went to the VAD (``"aec3"``: the
+        stand-in; ``"speex"``; ``"cold"``: Speex unconverged and the stand-in not fed, nothing played; ``"none"``:
+        no stand-in; ``"bypass"``: Speex skipped, quiet), ``in_db``/``out_db`` the microphone's and the served
+        output's mean power (dBFS), ``over_db`` how far the microphone's band most over the far end's predicted
+        echo stood over :meth:`over_echo`'s margin (dB; >= 0: that frame was over; None: no prediction),
+        ``served_mic`` the microphone went to the VAD in AEC3's place; and ``("gate", k, test, passed,
+        figures)`` per onset-gate check (:meth:`near_end_present`, :meth:`near_end_clear`) after frame ``k``
+        - 1, ``test`` the branch that decided (``"tail"``, ``"stand_in"``, ``"speex"``, ``"clear"``) and
+        ``figures`` its inputs (dB, or the sub-tests' verdicts)."""
+        rows, self.trace[:] = list(self.trace or []), []
+        return rows
 
     def _restart_due(self, before: int, loud: np.ndarray) -> bool:
         """Whether this block's far end returns after a silence of ``restart_after_silence_s`` or more
@@ -751,6 +791,11 @@ class EchoCanceller:
             if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
                 margin += OVER_ECHO_NEW_DB
             over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
+            if self.trace is not None:
+                self._oe_over.append(round(float(np.max(10 * np.log10((np.sum(self._oe_in, axis=0) + 1e-20)
+                                                                      / (echo + 1e-10)) - margin)), 1))
+        elif self.trace is not None:
+            self._oe_over.append(None)
         self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
         self._oe_frame.append(over)
         del self._oe_frame[:-2], self._oe_pass[:-64]
@@ -1009,14 +1054,24 @@ class EchoCanceller:
         tail = self._tail_test()
         if self.stand_in_active and self._stand_in.frames:
             if tail is not None:
+                self._trace_gate("tail", tail)
                 return tail
-            return (self._stand_in.near_end_present(n) and not self._echo_explained()) or self.over_echo()
+            if self.trace is None:
+                return (self._stand_in.near_end_present(n) and not self._echo_explained()) or self.over_echo()
+            aec3, explained, over = self._stand_in.near_end_present(n), self._echo_explained(), self.over_echo()
+            r = self._stand_in.near_end_ratio_db(n)
+            self._trace_gate("stand_in", (aec3 and not explained) or over, aec3=aec3, explained=explained,
+                             over_echo=over, ratio_db=r, threshold_db=self._stand_in.gate_threshold_db(),
+                             too_quiet=self._stand_in._too_quiet(n))
+            return (aec3 and not explained) or over
         t = self._band_tests(n)
         if t is None:
+            self._trace_gate("tail" if tail is not None else "no_echo", True if tail is None else tail)
             return True if tail is None else tail
         r, threshold, hb, hb_threshold, level, hb_passed = t
         if not self.warm and self.is_cold(n):
             self._last_soft = None
+            self._trace_gate("cold", False)
             if self.record:
                 self.cold_log.append((self.frames, round(float(self.expected_residual_db(n)), 1)))
             return False
@@ -1042,6 +1097,9 @@ class EchoCanceller:
             self._keep_onset_out()
         if self.record:
             self.gate_log.append(self._log_row((r, threshold) + t[2:], passed, strong))
+        if self.trace is not None:
+            self._trace_gate("speex", passed, ratio_db=r, threshold_db=threshold, hb_db=hb,
+                             hb_threshold_db=hb_threshold, hb_passed=hb_passed, strong_db=strong)
         return passed
 
     def _just_handed_over(self) -> bool:
@@ -1093,6 +1151,7 @@ class EchoCanceller:
         docs/measurements.md).
         """
         if not self.warm:
+            self._trace_gate("clear", False, stand_in=self.stand_in_active)
             return False  # no early onsets until Speex has shown convergence
         t = self._band_tests(n)
         if t is None:
@@ -1105,6 +1164,9 @@ class EchoCanceller:
             self._keep_onset_out()
         if self.record:
             self.clear_log.append(self._log_row(t, passed, strong))
+        if self.trace is not None:
+            self._trace_gate("clear", passed, ratio_db=r, threshold_db=threshold, hb_passed=hb_passed,
+                             strong_db=strong)
         return passed
 
     def _soft_twice(self, r: float, threshold: float, n: int = 512) -> bool:
