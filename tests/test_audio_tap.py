@@ -185,6 +185,7 @@ def test_a_barge_ins_trace_is_read_from_the_users_onset_to_the_window_that_fired
     t = case_trace(ServiceTap(tmp_path / "tap.f32", 48000), onset, onset + 1280)
     assert t["serving"] == {"aec3": 8} and t["mic_served_ms"] == 50 and t["over_first_ms"] == 20.0
     assert t["over_max_db"] == 16.0
-    assert t["suppressed_db"][0] == [-100.0, 30.0] and t["suppressed_db"][-1] == [70.0, 5.0]
+    assert t["frames"][0] == [-100.0, "aec3", -30.0, -60.0, -35.0, False]
+    assert t["frames"][-1] == [70.0, "aec3", -30.0, -35.0, 16.0, True]
     assert t["vad"][0] == [-80.0, -0.5] and t["vad"][-1] == [80.0, 0.5]  # (the scores are made up)
     assert t["gates"] == [[80.0, "stand_in", True, {"aec3": False, "explained": False, "over_echo": True}]]

@@ -589,8 +589,10 @@ def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
     - ``mic_served_ms``: the frames among them whose microphone went to the VAD in AEC3's place (over_echo);
     - ``over_first_ms``: the first frame whose microphone stood over the far end's predicted echo by the
       bypass's margin (None: none), and ``over_max_db`` the most it stood over that margin;
-    - ``suppressed_db``: per frame from ``TRACE_BEFORE_MS`` before the onset, the microphone minus what went to
-      the VAD (dB; 0: nothing removed), as ``[ms, dB]``;
+    - ``frames``: per frame from ``TRACE_BEFORE_MS`` before the onset, ``[ms, serving, in_db, out_db, over_db,
+      served_mic]``: the microphone's and what went to the VAD's power (dBFS), how far the microphone's band most
+      over the far end's predicted echo stood over the bypass's margin (dB, None: no prediction), and whether the
+      microphone went to the VAD in AEC3's place;
     - ``vad``: ``[ms at the window's end, probability]`` per Silero window from ``TRACE_BEFORE_MS`` before;
     - ``gates``: ``[ms, test, passed, figures]`` per onset-gate check in that span."""
     rows = read_trace(tap.path, onset - TRACE_BEFORE_MS * MODEL_RATE // 1000, fired)
@@ -607,7 +609,7 @@ def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
         "serving": serving, "mic_served_ms": 10 * sum(1 for r in after if r[6]),
         "over_first_ms": ms(over[0][1]) if over else None,
         "over_max_db": max((r[5] for r in after if r[5] is not None), default=None),
-        "suppressed_db": [[ms(r[1]), round(r[3] - r[4], 1)] for r in frames],
+        "frames": [[ms(r[1])] + list(r[2:]) for r in frames],
         "vad": [[ms(r[1]), r[2]] for r in rows if r[0] == "vad"],
         "gates": [[ms(r[1]), r[2], r[3], r[4]] for r in rows if r[0] == "gate"],
     }
