@@ -269,7 +269,13 @@ class Listener:
             self.post(Ev.VAD_PROGRESS, speech_ms=self.segmenter.speech_ms)
         self._pushed += len(mic)
         if self.tap is not None:
-            self._write_trace()
+            try:
+                self._write_trace()
+            except (TypeError, ValueError, OSError) as e:  # a benchmark's trace must not stop the listener
+                log.warning("the tap's trace stopped: %s", e)
+                self.segmenter.on_window = None
+                if self.echo is not None and hasattr(self.echo, "trace"):
+                    self.echo.trace = None
         if self.stream is not None:
             self._feed_stream()
 

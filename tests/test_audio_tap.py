@@ -169,6 +169,11 @@ def test_the_trace_beside_the_tap_holds_every_vad_window_and_canceller_frame_on_
     assert set(r[2] for r in frames) == {"aec3"} and all(r[3] > -30 for r in frames)
     assert [r[1] for r in vad] == list(range(WINDOW, written + 1, HOP)) and all(0.0 <= r[2] <= 1.0 for r in vad)
     assert len(read_trace(tmp_path / "tap.f32", 1000, 2000)) < len(rows)
+    listener.echo.near_end_present(), listener.echo.near_end_clear()  # the gate's checks, as the VAD asks them
+    listener._write_trace()
+    gates = [r for r in read_trace(tmp_path / "tap.f32") if r[0] == "gate"]
+    assert [g[2:4] for g in gates] == [["stand_in", gates[0][3]], ["clear", False]]
+    assert set(gates[0][4]) == {"aec3", "explained", "over_echo", "ratio_db", "threshold_db", "too_quiet"}
 
 
 def test_a_barge_ins_trace_is_read_from_the_users_onset_to_the_window_that_fired(tmp_path):
@@ -189,3 +194,18 @@ def test_a_barge_ins_trace_is_read_from_the_users_onset_to_the_window_that_fired
     assert t["frames"][-1] == [70.0, "aec3", -30.0, -35.0, 16.0, True]
     assert t["vad"][0] == [-80.0, -0.5] and t["vad"][-1] == [80.0, 0.5]  # (the scores are made up)
     assert t["gates"] == [[80.0, "stand_in", True, {"aec3": False, "explained": False, "over_echo": True}]]
+
+
+def test_the_trace_takes_numpy_scalars():
+    """The canceller's figures are often numpy bools and floats (a live run's listener died on the first gate
+    check before this)."""
+    import tempfile
+    from pathlib import Path
+
+    from appliance.audio.tap import AudioTap, read_trace
+
+    with tempfile.TemporaryDirectory() as d:
+        tap = AudioTap(Path(d) / "tap.f32")
+        tap.trace([("gate", np.int64(5), "stand_in", np.bool_(True), {"too_quiet": np.bool_(False), "r": np.float32(-3.5)})])
+        tap.close()
+        assert read_trace(Path(d) / "tap.f32") == [["gate", 5, "stand_in", True, {"too_quiet": False, "r": -3.5}]]

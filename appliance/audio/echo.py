@@ -565,8 +565,8 @@ class EchoCanceller:
         """One onset-gate check in :attr:`trace` (see :meth:`trace_rows`)."""
         if self.trace is not None:
             self.trace.append(("gate", self.frames, test, bool(passed),
-                               {k: (round(float(v), 1) if isinstance(v, (float, np.floating)) else v)
-                                for k, v in figures.items()}))
+                               {k: (round(float(v), 1) if isinstance(v, (float, np.floating))
+                                    else bool(v) if isinstance(v, np.bool_) else v) for k, v in figures.items()}))
 
     def trace_rows(self) -> list:
         """What :attr:`trace` (a list, set by a benchmark; None: nothing kept) holds, taken out of it: rows

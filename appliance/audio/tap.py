@@ -67,11 +67,18 @@ class AudioTap:
     def trace(self, rows: list) -> None:
         """Append trace rows (lists or tuples of JSON values, see the module's notes), one a line."""
         if rows:
-            self._trace.write("".join(json.dumps(list(r), separators=(",", ":")) + "\n" for r in rows))
+            self._trace.write("".join(json.dumps(list(r), separators=(",", ":"), default=_plain) + "\n" for r in rows))
 
     def close(self) -> None:
         self._fh.close()
         self._trace.close()
+
+
+def _plain(x):
+    """A numpy scalar as the Python number or bool it holds (for the trace's JSON)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON: {type(x).__name__}")
 
 
 def trace_path(path: Path) -> Path:
