@@ -584,6 +584,7 @@ def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
     reply, from the tap's trace (:func:`appliance.audio.tap.read_trace`; ``onset``, ``fired``: the tap's
     samples). ms are from the onset. None without a trace (a service that writes none).
 
+    - ``onset_sample``, ``fired_sample``: those two samples of the tap (for an offline replay of its streams);
     - ``serving``: frames (10 ms) from the onset to the fired window by what went to the VAD (``aec3``: the
       stand-in, ``speex``, ...; :meth:`appliance.audio.echo.EchoCanceller.trace_rows`);
     - ``mic_served_ms``: the frames among them whose microphone went to the VAD in AEC3's place (over_echo);
@@ -606,7 +607,7 @@ def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
         serving[r[2]] = serving.get(r[2], 0) + 1
     over = [r for r in after if r[5] is not None and r[5] >= 0]
     return {
-        "serving": serving, "mic_served_ms": 10 * sum(1 for r in after if r[6]),
+        "onset_sample": int(onset), "fired_sample": int(fired), "serving": serving, "mic_served_ms": 10 * sum(1 for r in after if r[6]),
         "over_first_ms": ms(over[0][1]) if over else None,
         "over_max_db": max((r[5] for r in after if r[5] is not None), default=None),
         "frames": [[ms(r[1])] + list(r[2:]) for r in frames],
