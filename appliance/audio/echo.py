@@ -289,6 +289,9 @@ class EchoCanceller:
         :meth:`_echo_explained`).
     :raises UserError: an unknown backend or its package is missing.
 
+    :attr:`trace`: None, or a list that a benchmark sets to have every frame and onset-gate check recorded
+    (:meth:`trace_rows`; the listener's tap writes them, :mod:`appliance.audio.tap`).
+
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
     near end for the complete 10 ms frames buffered so far (so the output lags the input by less than one
     frame when blocks are not multiples of 10 ms, and not at all when they are). Not thread-safe: one

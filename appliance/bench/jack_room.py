@@ -44,6 +44,15 @@ barge-in's latency split (:func:`tap_split`; ``barge_in_split_ms`` with ``input_
 service a file write per microphone message (in ``listening_cpu_pct`` and ``speaking_cpu_pct`` here;
 ``bench idle-cpu`` runs without it) and 192 kB of disk a second, in the run's temporary directory.
 
+Each barge-in as the service met it (``barge_in_cases`` in the JSON, :func:`case_trace`): beside its tap the
+tapped listener writes a trace (:func:`appliance.audio.tap.read_trace`): every Silero window's score, every
+canceller frame (what served the VAD: the AEC3 stand-in or Speex; the microphone's and the served output's
+level; how far the microphone stood over the far end's predicted echo; whether the bypass served the
+microphone) and every onset-gate check with its sub-tests (AEC3's own gate, ``_echo_explained``, ``over_echo``,
+the tail test). Per case the JSON keeps that from ``TRACE_BEFORE_MS`` before the user's onset to the window that
+paused the reply, with the latency split, so a slow barge-in is read from the run itself. The run's directory
+(its ``tap.f32``, ``tap.f32.trace.jsonl`` and ``service.log``) is left in place, named on the first line.
+
 CPU: ``listening_cpu_pct`` = CPU time of the service and its descendants (the audio worker) from
 ``/proc/<pid>/stat``, over a quiet stretch with the service listening, % of one core;
 ``speaking_cpu_pct`` = the same while the service's state was ``speaking``.
