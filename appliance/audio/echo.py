@@ -61,6 +61,15 @@ estimate), feeding AEC3 through the silences (22.2 dB), and a far end delayed by
 cross-correlation measured it causally, 0.3-0.5 s windows (21.4-26.9 dB: a reply's new delay is known only
 from its echo; the same with the change known in advance: 49.0 dB).
 
+Why Speex never shows convergence there (measured here, offline, the tests' Piper reply three times through
+30 ms + RT60 150 ms): two causes, each enough alone. A linear speaker with +300 ppm of constant drift left its
+floors at -3.7 dB (1-2 kHz) and -2.3 dB (above 2 kHz), against the -24 dB of the hand-over; with the far end
+resampled by the same known ratio the hand-over came at 3.1 s, as at 0 ppm. A clipping speaker (``tanh(2x)/2``)
+at 0 ppm left them at -14 and -17 dB, and re-aligning the far end changed nothing there. On a live JACK tap
+(+300 ppm, clip) the echo's delay was measured to 0.4 samples rms (0.5 s windows, the room's 60 s wander fitted),
+and the far end re-aligned by it still gave no hand-over (floors -6.7 dB at 1-2 kHz). So a drift compensator
+would bring Speex back on a linear speaker that drifts, but not on one that clips.
+
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
 user's first 100-250 ms (measured here, the 48 kHz JACK room, the service's own streams replayed offline: Silero
@@ -77,6 +86,18 @@ docs/measurements.md). Tried and not kept: Silero on Speex's output (86+ echo wi
 enough), the microphone served for 250 ms after a pass (6 echo onsets in 29 replies instead of 1), a slower decay
 (RT60 400 ms: p95 139 ms). The decay is the bench room's (RT60 150 ms), or the room's own where it is measured
 slower (below).
+
+What the live bench showed of it (session 14, the JACK room at +300 ppm with the clipping speaker; each
+barge-in's trace, ``barge_in_cases`` of ``appliance bench interruption --room jack``): in 16 barge-ins over 4
+runs (1024- and 512-frame periods) the stand-in served every one (onset -> the window that fired p50 / p95 131 /
+204 ms), and the slow ones were AEC3's suppressor. It kept what went to the VAD 20 dB or more under the
+microphone for the user's first 0-170 ms (p50 70 ms; Silero scored it 0.01-0.05 there). The microphone rose
+over the far end's predicted echo by the bypass's margin in 12 of the 16, but mostly where AEC3 had already
+let the user through or taken less than 20 dB: the bypass served the microphone in 3. In 8 of them AEC3's own gate refused a window that Silero scored 0.5 or more and
+whose microphone stood over that prediction, AEC3 having taken 11-20 dB of it (16-30 ms each). Letting the gate
+pass on the bypass's test there (without the 20 dB): offline, the same onsets for 38 barge-ins through the
+tests' drifting, clipping room, and 3 more echo onsets in 9 recorded JACK runs; not kept. In a fifth run (that
+variant) a user as loud as the echo was refused twice as explained (:meth:`_echo_explained`), 32 ms.
 
 A more reverberant room (RT60 300 ms, the echo 6 dB over what is played: a user's room). AEC3's linear filter
 covers about 50 ms of the echo path past its delay (its default length, 13 blocks of 64 samples, as WebRTC's
