@@ -93,11 +93,12 @@ runs (1024- and 512-frame periods) the stand-in served every one (onset -> the w
 204 ms), and the slow ones were AEC3's suppressor. It kept what went to the VAD 20 dB or more under the
 microphone for the user's first 0-170 ms (p50 70 ms; Silero scored it 0.01-0.05 there). The microphone rose
 over the far end's predicted echo by the bypass's margin in 12 of the 16, but mostly where AEC3 had already
-let the user through or taken less than 20 dB: the bypass served the microphone in 3. In 8 of them AEC3's own gate refused a window that Silero scored 0.5 or more and
-whose microphone stood over that prediction, AEC3 having taken 11-20 dB of it (16-30 ms each). Letting the gate
-pass on the bypass's test there (without the 20 dB): offline, the same onsets for 38 barge-ins through the
-tests' drifting, clipping room, and 3 more echo onsets in 9 recorded JACK runs; not kept. In a fifth run (that
-variant) a user as loud as the echo was refused twice as explained (:meth:`_echo_explained`), 32 ms.
+let the user through or taken less than 20 dB: the bypass served the microphone in 3. In 8 of them AEC3's own
+gate refused a window that Silero scored 0.5 or more and whose microphone stood over that prediction, AEC3
+having taken 11-20 dB of it (16-30 ms each). Letting the gate pass on the bypass's test there (without the
+20 dB): offline, the same onsets for 38 barge-ins through the tests' drifting, clipping room, and 3 more echo
+onsets in 9 recorded JACK runs; not kept. In a fifth run (that variant) a user as loud as the echo was refused
+twice as explained (:meth:`_echo_explained`), 32 ms.
 
 A more reverberant room (RT60 300 ms, the echo 6 dB over what is played: a user's room). AEC3's linear filter
 covers about 50 ms of the echo path past its delay (its default length, 13 blocks of 64 samples, as WebRTC's
