@@ -26,7 +26,7 @@ from .events import Ev
 from .speech import Tts
 from .audio.files import MODEL_RATE, resample
 from .playback import Playback
-from .vad import SileroVad, VadSegmenter
+from .vad import WINDOW, SileroVad, VadSegmenter
 
 if TYPE_CHECKING:
     from .eot import SmartTurn
@@ -127,6 +127,11 @@ class Listener:
 
         self._handovers = 0  # the canceller's hand-overs logged (EchoCanceller.handovers)
         self.tap = AudioTap.from_env()  # a benchmark's tap on every block (APPLIANCE_AUDIO_TAP), else None
+        self._pushed = 0  # samples the VAD has been given (the tap's clock)
+        self._echo_base = 0  # ... when the canceller was bound (its frame 0)
+        self._trace: list = []  # the VAD's rows of this block, if tapped
+        if self.tap is not None:
+            self.segmenter.on_window = lambda start, p: self._trace.append(("vad", start + WINDOW, round(p, 3)))
         self._bind_gate()
         self._thread: Optional[threading.Thread] = None
 
@@ -143,6 +148,8 @@ class Listener:
         (``near_end_clear``)."""
         e = self.echo
         self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None))
+        if self.tap is not None and hasattr(e, "trace"):
+            e.trace, self._echo_base = [], self._pushed  # the canceller's rows for the tap's trace
 
     def configure(self, *, vad=None, interruption=None, end_of_turn=_KEEP, wake=_KEEP, echo=_KEEP, stream=_KEEP,
                   stream_step_ms: Optional[int] = None) -> None:
@@ -260,8 +267,27 @@ class Listener:
                 self.post(Ev.VAD_SETTLED, audio_t=audio_t)
         if was_confirmed and self.segmenter.confirmed:
             self.post(Ev.VAD_PROGRESS, speech_ms=self.segmenter.speech_ms)
+        self._pushed += len(mic)
+        if self.tap is not None:
+            try:
+                self._write_trace()
+            except (TypeError, ValueError, OSError) as e:  # a benchmark's trace must not stop the listener
+                log.warning("the tap's trace stopped: %s", e)
+                self.segmenter.on_window = None
+                if self.echo is not None and hasattr(self.echo, "trace"):
+                    self.echo.trace = None
         if self.stream is not None:
             self._feed_stream()
+
+    def _write_trace(self) -> None:
+        """This block's VAD windows and canceller rows to the tap's trace, on the tap's sample clock."""
+        rows, self._trace = self._trace, []
+        if self.echo is not None and getattr(self.echo, "trace", None) is not None:
+            from .audio.echo import FRAME
+
+            base = self._echo_base
+            rows = [(r[0], base + r[1] * FRAME) + tuple(r[2:]) for r in self.echo.trace_rows()] + rows
+        self.tap.trace(rows)
 
     def _feed_stream(self) -> None:
         seg = self.segmenter

@@ -237,6 +237,9 @@ class VadSegmenter:
     # utterance cut 64 ms after Silero's end of speech (the same audio at every call of a pause).
     end_of_turn_input: str = "pause"
     eot_calls: list = field(default_factory=list)  # (silence ms at the call, probability) of each call
+    # Optional observer of every window (a benchmark's trace, appliance.audio.tap): ``on_window(start, p)``,
+    # the window's first sample (on the pushed audio's clock) and its probability, before the window's events.
+    on_window: Optional[Callable[[int, float], None]] = None
 
     def __post_init__(self) -> None:
         if self.hop not in (WINDOW, WINDOW // 2):
@@ -388,6 +391,8 @@ class VadSegmenter:
             del self.infer_ms[:2048]
         self._n += len(new)
         start = self._n - WINDOW  # the window's first sample
+        if self.on_window is not None:
+            self.on_window(start, p)
         hop_ms = len(new) * 1000.0 / MODEL_RATE
         events: list[VadEvent] = []
         if not self._in_speech:

@@ -136,3 +136,76 @@ def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(
     svc.take("2026-12-01 17:00:00,000 INFO appliance.pipeline: " + lines[0] + "\n", 1.0)
     svc.take('2026-12-01 17:00:00,000 DEBUG appliance.service: {"t": 1.5, "event": "state", "state": "speaking"}\n', 2.0)
     assert svc.handovers == [0.09] and svc.state == "speaking" and len(svc.records) == 1
+
+
+def test_the_trace_beside_the_tap_holds_every_vad_window_and_canceller_frame_on_the_taps_clock(tmp_path, monkeypatch):
+    """The trace (issue 18: the JACK bench's per-case records) says, sample for sample with the tap, what went to
+    the VAD: every 10 ms frame once (Speex unconverged at first: the AEC3 stand-in serves while the far end
+    plays), every Silero window once (16 ms hops while replying), and a canceller bound later (a device
+    reopened) is placed at the samples the VAD had by then."""
+    from appliance.audio.echo import EchoCanceller
+    from appliance.audio.tap import ENV, read_tap, read_trace
+    from appliance.pipeline import Listener
+    from appliance.vad import HOP, WINDOW, SileroVad, VadSegmenter
+
+    monkeypatch.setenv(ENV, str(tmp_path / "tap.f32"))
+    rng = np.random.default_rng(0)
+    far = (0.1 * rng.standard_normal(32000)).astype(np.float32)
+    mic = (0.5 * np.concatenate([np.zeros(80), far[:-80]]) + 1e-3 * rng.standard_normal(32000)).astype(np.float32)
+    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=EchoCanceller("speex"))
+    fed = 0
+    for n in (480, 333, 480, 1440, 7, 480) * 4:
+        if fed == 6440:  # a new canceller, as a reopened device gets
+            listener.configure(echo=EchoCanceller("speex"))
+        listener._process(mic[fed:fed + n], far[fed:fed + n])
+        fed += n
+    written = len(read_tap(tmp_path / "tap.f32"))
+    rows = read_trace(tmp_path / "tap.f32")
+    frames = [r for r in rows if r[0] == "frame"]
+    vad = [r for r in rows if r[0] == "vad"]
+    starts = [r[1] for r in frames]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert starts[-1] + 160 <= written and written - (starts[-1] + 160) < 2 * 160  # within the last frames
+    assert set(r[2] for r in frames) == {"aec3"} and all(r[3] > -30 for r in frames)
+    assert [r[1] for r in vad] == list(range(WINDOW, written + 1, HOP)) and all(0.0 <= r[2] <= 1.0 for r in vad)
+    assert len(read_trace(tmp_path / "tap.f32", 1000, 2000)) < len(rows)
+    listener.echo.near_end_present(), listener.echo.near_end_clear()  # the gate's checks, as the VAD asks them
+    listener._write_trace()
+    gates = [r for r in read_trace(tmp_path / "tap.f32") if r[0] == "gate"]
+    assert [g[2:4] for g in gates] == [["stand_in", gates[0][3]], ["clear", False]]
+    assert set(gates[0][4]) == {"aec3", "explained", "over_echo", "ratio_db", "threshold_db", "too_quiet"}
+
+
+def test_a_barge_ins_trace_is_read_from_the_users_onset_to_the_window_that_fired(tmp_path):
+    from appliance.audio.tap import AudioTap
+    from appliance.bench.jack_room import ServiceTap, case_trace
+
+    tap = AudioTap(tmp_path / "tap.f32")
+    onset = 16000
+    tap.trace([("frame", onset + 160 * k, "aec3", -30.0, -60.0 if k < 3 else -35.0, -5.0 + 3 * k, k >= 3)
+               for k in range(-20, 8)])
+    tap.trace([("vad", onset + 256 * k, 0.1 * k) for k in range(-5, 6)])
+    tap.trace([("gate", onset + 1280, "stand_in", True, {"aec3": False, "explained": False, "over_echo": True})])
+    tap.close()
+    t = case_trace(ServiceTap(tmp_path / "tap.f32", 48000), onset, onset + 1280)
+    assert t["serving"] == {"aec3": 8} and t["mic_served_ms"] == 50 and t["over_first_ms"] == 20.0
+    assert t["over_max_db"] == 16.0
+    assert t["frames"][0] == [-100.0, "aec3", -30.0, -60.0, -35.0, False]
+    assert t["frames"][-1] == [70.0, "aec3", -30.0, -35.0, 16.0, True]
+    assert t["vad"][0] == [-80.0, -0.5] and t["vad"][-1] == [80.0, 0.5]  # (the scores are made up)
+    assert t["gates"] == [[80.0, "stand_in", True, {"aec3": False, "explained": False, "over_echo": True}]]
+
+
+def test_the_trace_takes_numpy_scalars():
+    """The canceller's figures are often numpy bools and floats (a live run's listener died on the first gate
+    check before this)."""
+    import tempfile
+    from pathlib import Path
+
+    from appliance.audio.tap import AudioTap, read_trace
+
+    with tempfile.TemporaryDirectory() as d:
+        tap = AudioTap(Path(d) / "tap.f32")
+        tap.trace([("gate", np.int64(5), "stand_in", np.bool_(True), {"too_quiet": np.bool_(False), "r": np.float32(-3.5)})])
+        tap.close()
+        assert read_trace(Path(d) / "tap.f32") == [["gate", 5, "stand_in", True, {"too_quiet": False, "r": -3.5}]]

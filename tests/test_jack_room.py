@@ -179,3 +179,11 @@ def test_barge_in_through_the_service_on_real_streams(running):
     split = out.barge["split"]
     assert split is not None and 0.0 < split["vad_ms"] and 0.0 < split["input_ms"] < split["listener_ms"] + 1.0
     assert abs(split["vad_ms"] + split["listener_ms"] + split["output_ms"] - out.barge["output_silent_ms"]) < 0.5
+    # What the listener did in between, from the trace beside its tap (the bench's barge_in_cases): its last
+    # Silero window is the one that fired (at the split's vad_ms, scored at least the early onsets' 0.2), and
+    # each 10 ms frame from the onset on went through the canceller once.
+    trace = out.barge["trace"]
+    assert trace is not None and trace["vad"], out.barge
+    assert abs(trace["vad"][-1][0] - split["vad_ms"]) <= 1.0 and trace["vad"][-1][1] >= 0.2, trace["vad"][-3:]
+    frames = [f[0] for f in trace["frames"] if f[0] > -10.0]
+    assert sum(trace["serving"].values()) == len(frames) and frames == sorted(set(frames)), trace["serving"]

@@ -61,6 +61,15 @@ estimate), feeding AEC3 through the silences (22.2 dB), and a far end delayed by
 cross-correlation measured it causally, 0.3-0.5 s windows (21.4-26.9 dB: a reply's new delay is known only
 from its echo; the same with the change known in advance: 49.0 dB).
 
+Why Speex never shows convergence there (measured here, offline, the tests' Piper reply three times through
+30 ms + RT60 150 ms): two causes, each enough alone. A linear speaker with +300 ppm of constant drift left its
+floors at -3.7 dB (1-2 kHz) and -2.3 dB (above 2 kHz), against the -24 dB of the hand-over; with the far end
+resampled by the same known ratio the hand-over came at 3.1 s, as at 0 ppm. A clipping speaker (``tanh(2x)/2``)
+at 0 ppm left them at -14 and -17 dB, and re-aligning the far end changed nothing there. On a live JACK tap
+(+300 ppm, clip) the echo's delay was measured to 0.4 samples rms (0.5 s windows, the room's 60 s wander fitted),
+and the far end re-aligned by it still gave no hand-over (floors -6.7 dB at 1-2 kHz). So a drift compensator
+would bring Speex back on a linear speaker that drifts, but not on one that clips.
+
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
 user's first 100-250 ms (measured here, the 48 kHz JACK room, the service's own streams replayed offline: Silero
@@ -77,6 +86,19 @@ docs/measurements.md). Tried and not kept: Silero on Speex's output (86+ echo wi
 enough), the microphone served for 250 ms after a pass (6 echo onsets in 29 replies instead of 1), a slower decay
 (RT60 400 ms: p95 139 ms). The decay is the bench room's (RT60 150 ms), or the room's own where it is measured
 slower (below).
+
+What the live bench showed of it (session 14, the JACK room at +300 ppm with the clipping speaker; each
+barge-in's trace, ``barge_in_cases`` of ``appliance bench interruption --room jack``): in 16 barge-ins over 4
+runs (1024- and 512-frame periods) the stand-in served every one (onset -> the window that fired p50 / p95 131 /
+204 ms), and the slow ones were AEC3's suppressor. It kept what went to the VAD 20 dB or more under the
+microphone for the user's first 0-170 ms (p50 70 ms; Silero scored it 0.01-0.05 there). The microphone rose
+over the far end's predicted echo by the bypass's margin in 12 of the 16, but mostly where AEC3 had already
+let the user through or taken less than 20 dB: the bypass served the microphone in 3. In 8 of them AEC3's own
+gate refused a window that Silero scored 0.5 or more and whose microphone stood over that prediction, AEC3
+having taken 11-20 dB of it (16-30 ms each). Letting the gate pass on the bypass's test there (without the
+20 dB): offline, the same onsets for 38 barge-ins through the tests' drifting, clipping room, and 3 more echo
+onsets in 9 recorded JACK runs; not kept. In a fifth run (that variant) a user as loud as the echo was refused
+twice as explained (:meth:`_echo_explained`), 32 ms.
 
 A more reverberant room (RT60 300 ms, the echo 6 dB over what is played: a user's room). AEC3's linear filter
 covers about 50 ms of the echo path past its delay (its default length, 13 blocks of 64 samples, as WebRTC's
@@ -289,6 +311,9 @@ class EchoCanceller:
         :meth:`_echo_explained`).
     :raises UserError: an unknown backend or its package is missing.
 
+    :attr:`trace`: None, or a list that a benchmark sets to have every frame and onset-gate check recorded
+    (:meth:`trace_rows`; the listener's tap writes them, :mod:`appliance.audio.tap`).
+
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
     near end for the complete 10 ms frames buffered so far (so the output lags the input by less than one
     frame when blocks are not multiples of 10 ms, and not at all when they are). Not thread-safe: one
@@ -391,6 +416,9 @@ class EchoCanceller:
         self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
         self._tail_decays: list[float] = []  # dB per frame, one per silence measured (the newest TAIL_SILENCES)
         self._tail_decay = TAIL_DECAY_DB  # ... their median, within TAIL_DECAY_RANGE_DB (tail_decay_db)
+        # A benchmark's trace (see trace_rows): None (the default) records nothing and costs nothing.
+        self.trace: Optional[list] = None
+        self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -519,7 +547,9 @@ class EchoCanceller:
                     *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
         self._update_mode(n, grew)
-        if self._stand_in_fed():
+        fed = self._stand_in_fed()
+        served = []  # frames of this call whose microphone went to the VAD in the stand-in's place (over_echo)
+        if fed:
             if self._restart_pending and self._stand_in.frames:
                 self._stand_in._restart_aec3()
                 self.restarts += 1
@@ -531,8 +561,12 @@ class EchoCanceller:
                 if float(np.dot(out[sl], out[sl])) <= float(e_in[i]) * 10 ** (-OVER_ECHO_SUPPRESSED_DB / 10):
                     out[sl] = self._near[sl]  # the user, held back by AEC3's suppressor: see over_echo
                     self.over_echo_frames += 1
+                    served.append(int(i))
                 else:
                     self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
+        if self.trace is not None:
+            self._trace_frames(n, e_in, out, "bypass" if bypass else "aec3" if fed else "speex" if self.warm
+                               else "none" if self._stand_in is None else "cold", served)
         if self.record:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -542,6 +576,37 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
+
+    def _trace_frames(self, n: int, e_in: np.ndarray, out: np.ndarray, serving: str, served: list) -> None:
+        """This call's frames in :attr:`trace` (see :meth:`trace_rows`)."""
+        e_out = _energy(out.reshape(n, FRAME))
+        over = self._oe_over[-n:] if len(self._oe_over) >= n else [None] * n
+        self._oe_over = []
+        db = lambda e: round(10.0 * np.log10(float(e) / FRAME + 1e-20), 1)  # noqa: E731
+        for i in range(n):
+            self.trace.append(("frame", self.frames + i, serving, db(e_in[i]), db(e_out[i]), over[i], i in served))
+
+    def _trace_gate(self, test: str, passed: bool, **figures) -> None:
+        """One onset-gate check in :attr:`trace` (see :meth:`trace_rows`)."""
+        if self.trace is not None:
+            self.trace.append(("gate", self.frames, test, bool(passed),
+                               {k: (round(float(v), 1) if isinstance(v, (float, np.floating))
+                                    else bool(v) if isinstance(v, np.bool_) else v) for k, v in figures.items()}))
+
+    def trace_rows(self) -> list:
+        """What :attr:`trace` (a list, set by a benchmark; None: nothing kept) holds, taken out of it: rows
+        ``("frame", k, serving, in_db, out_db, over_db, served_mic)`` per 10 ms frame ``k`` (this canceller's
+        frame count, 160 samples each from its first), ``serving`` what went to the VAD (``"aec3"``: the
+        stand-in; ``"speex"``; ``"cold"``: Speex unconverged and the stand-in not fed, nothing played; ``"none"``:
+        no stand-in; ``"bypass"``: Speex skipped, quiet), ``in_db``/``out_db`` the microphone's and the served
+        output's mean power (dBFS), ``over_db`` how far the microphone's band most over the far end's predicted
+        echo stood over :meth:`over_echo`'s margin (dB; >= 0: that frame was over; None: no prediction),
+        ``served_mic`` the microphone went to the VAD in AEC3's place; and ``("gate", k, test, passed,
+        figures)`` per onset-gate check (:meth:`near_end_present`, :meth:`near_end_clear`) after frame ``k``
+        - 1, ``test`` the branch that decided (``"tail"``, ``"stand_in"``, ``"speex"``, ``"clear"``) and
+        ``figures`` its inputs (dB, or the sub-tests' verdicts)."""
+        rows, self.trace[:] = list(self.trace or []), []
+        return rows
 
     def _restart_due(self, before: int, loud: np.ndarray) -> bool:
         """Whether this block's far end returns after a silence of ``restart_after_silence_s`` or more
@@ -751,6 +816,11 @@ class EchoCanceller:
             if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
                 margin += OVER_ECHO_NEW_DB
             over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
+            if self.trace is not None:
+                self._oe_over.append(round(float(np.max(10 * np.log10((np.sum(self._oe_in, axis=0) + 1e-20)
+                                                                      / (echo + 1e-10)) - margin)), 1))
+        elif self.trace is not None:
+            self._oe_over.append(None)
         self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
         self._oe_frame.append(over)
         del self._oe_frame[:-2], self._oe_pass[:-64]
@@ -1009,14 +1079,24 @@ class EchoCanceller:
         tail = self._tail_test()
         if self.stand_in_active and self._stand_in.frames:
             if tail is not None:
+                self._trace_gate("tail", tail)
                 return tail
-            return (self._stand_in.near_end_present(n) and not self._echo_explained()) or self.over_echo()
+            if self.trace is None:
+                return (self._stand_in.near_end_present(n) and not self._echo_explained()) or self.over_echo()
+            aec3, explained, over = self._stand_in.near_end_present(n), self._echo_explained(), self.over_echo()
+            r = self._stand_in.near_end_ratio_db(n)
+            self._trace_gate("stand_in", (aec3 and not explained) or over, aec3=aec3, explained=explained,
+                             over_echo=over, ratio_db=r, threshold_db=self._stand_in.gate_threshold_db(),
+                             too_quiet=self._stand_in._too_quiet(n))
+            return (aec3 and not explained) or over
         t = self._band_tests(n)
         if t is None:
+            self._trace_gate("tail" if tail is not None else "no_echo", True if tail is None else tail)
             return True if tail is None else tail
         r, threshold, hb, hb_threshold, level, hb_passed = t
         if not self.warm and self.is_cold(n):
             self._last_soft = None
+            self._trace_gate("cold", False)
             if self.record:
                 self.cold_log.append((self.frames, round(float(self.expected_residual_db(n)), 1)))
             return False
@@ -1042,6 +1122,9 @@ class EchoCanceller:
             self._keep_onset_out()
         if self.record:
             self.gate_log.append(self._log_row((r, threshold) + t[2:], passed, strong))
+        if self.trace is not None:
+            self._trace_gate("speex", passed, ratio_db=r, threshold_db=threshold, hb_db=hb,
+                             hb_threshold_db=hb_threshold, hb_passed=hb_passed, strong_db=strong)
         return passed
 
     def _just_handed_over(self) -> bool:
@@ -1093,6 +1176,7 @@ class EchoCanceller:
         docs/measurements.md).
         """
         if not self.warm:
+            self._trace_gate("clear", False, stand_in=self.stand_in_active)
             return False  # no early onsets until Speex has shown convergence
         t = self._band_tests(n)
         if t is None:
@@ -1105,6 +1189,9 @@ class EchoCanceller:
             self._keep_onset_out()
         if self.record:
             self.clear_log.append(self._log_row(t, passed, strong))
+        if self.trace is not None:
+            self._trace_gate("clear", passed, ratio_db=r, threshold_db=threshold, hb_passed=hb_passed,
+                             strong_db=strong)
         return passed
 
     def _soft_twice(self, r: float, threshold: float, n: int = 512) -> bool:

@@ -44,6 +44,15 @@ barge-in's latency split (:func:`tap_split`; ``barge_in_split_ms`` with ``input_
 service a file write per microphone message (in ``listening_cpu_pct`` and ``speaking_cpu_pct`` here;
 ``bench idle-cpu`` runs without it) and 192 kB of disk a second, in the run's temporary directory.
 
+Each barge-in as the service met it (``barge_in_cases`` in the JSON, :func:`case_trace`): beside its tap the
+tapped listener writes a trace (:func:`appliance.audio.tap.read_trace`): every Silero window's score, every
+canceller frame (what served the VAD: the AEC3 stand-in or Speex; the microphone's and the served output's
+level; how far the microphone stood over the far end's predicted echo; whether the bypass served the
+microphone) and every onset-gate check with its sub-tests (AEC3's own gate, ``_echo_explained``, ``over_echo``,
+the tail test). Per case the JSON keeps that from ``TRACE_BEFORE_MS`` before the user's onset to the window that
+paused the reply, with the latency split, so a slow barge-in is read from the run itself. The run's directory
+(its ``tap.f32``, ``tap.f32.trace.jsonl`` and ``service.log``) is left in place, named on the first line.
+
 CPU: ``listening_cpu_pct`` = CPU time of the service and its descendants (the audio worker) from
 ``/proc/<pid>/stat``, over a quiet stretch with the service listening, % of one core;
 ``speaking_cpu_pct`` = the same while the service's state was ``speaking``.
@@ -69,7 +78,7 @@ import yaml
 from ..audio.files import MODEL_RATE, resample
 from ..audio.jack_room import SILENT_PEAK, JackRoom
 from ..audio.room import synthetic_ir
-from ..audio.tap import ENV as TAP_ENV, read_tap
+from ..audio.tap import ENV as TAP_ENV, read_tap, read_trace
 from ..vad import WINDOW_MS
 from ..config import Config
 from ..errors import UserError
@@ -530,6 +539,11 @@ def from_tap(out: sim.Outcome, case: sim.Case, room: JackRoom, svc: ServiceUnder
         if u is not None and u.start is not None and u.end is not None:
             tap.align(room, u.onset, min(u.end, u.onset + room.rate))
         out.barge["split"] = tap_split(recs, out.barge, room, tap)
+        fired = fired_onset(recs, out.barge)
+        if fired is not None:
+            onset = tap.sample_of(room.frame0 + int(round(out.barge["onset_t"] * room.rate)))
+            end = int(round((fired["audio_t"] + WINDOW_MS / 1000.0) * MODEL_RATE))  # the fired window's end
+            out.barge["trace"] = case_trace(tap, onset, end)
 
 
 def tap_split(recs: list[dict], barge: dict, room: JackRoom, tap: ServiceTap) -> Optional[dict]:
@@ -545,15 +559,10 @@ def tap_split(recs: list[dict], barge: dict, room: JackRoom, tap: ServiceTap) ->
     - ``output_ms``: the pause to the output's silence as the room heard it (the fade, the worker's and
       PortAudio's blocks, JACK's period).
 
-    None without the pause's ``vad_onset`` record (the one its ``onset_t`` names, on the room's clock)."""
-    paused = [r for r in recs if r["event"] == "interrupted" and r["t"] >= barge["onset_t"] - 0.05]
-    if not paused:
+    None without the pause's ``vad_onset`` record (:func:`fired_onset`)."""
+    ev = fired_onset(recs, barge)
+    if ev is None:
         return None
-    onsets = [r for r in recs if r["event"] == "vad_onset" and r.get("audio_t") is not None
-              and abs(r["t"] - paused[0].get("onset_t", float("nan"))) < 1e-3]
-    if not onsets:
-        return None
-    ev = onsets[0]
     window_end = ev["audio_t"] + WINDOW_MS / 1000.0
     end_frame = tap.frame_of(window_end)
     onset_frame = room.frame0 + int(round(barge["onset_t"] * room.rate))
@@ -563,6 +572,57 @@ def tap_split(recs: list[dict], barge: dict, room: JackRoom, tap: ServiceTap) ->
     silent = barge.get("output_silent_ms")
     return {"vad_ms": round(vad_ms, 1), "input_ms": round(input_ms, 1), "listener_ms": round(listener_ms, 1),
             "output_ms": None if silent is None else round(silent - barge["detected_ms"], 1)}
+
+
+def fired_onset(recs: list[dict], barge: dict) -> Optional[dict]:
+    """The ``vad_onset`` record that paused the reply (the one the pause's ``onset_t`` names, on the room's clock;
+    ``recs`` and ``barge`` as :func:`tap_split` takes them), or None."""
+    paused = [r for r in recs if r["event"] == "interrupted" and r["t"] >= barge["onset_t"] - 0.05]
+    if not paused:
+        return None
+    onsets = [r for r in recs if r["event"] == "vad_onset" and r.get("audio_t") is not None
+              and abs(r["t"] - paused[0].get("onset_t", float("nan"))) < 1e-3]
+    return onsets[0] if onsets else None
+
+
+TRACE_BEFORE_MS = 100  # a barge-in's trace (case_trace) starts this long before the user's onset
+
+
+def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
+    """What the service's listener did between a user's onset and the end of the VAD window that paused the
+    reply, from the tap's trace (:func:`appliance.audio.tap.read_trace`; ``onset``, ``fired``: the tap's
+    samples). ms are from the onset. None without a trace (a service that writes none).
+
+    - ``onset_sample``, ``fired_sample``: those two samples of the tap (for an offline replay of its streams);
+    - ``serving``: frames (10 ms) from the onset to the fired window by what went to the VAD (``aec3``: the
+      stand-in, ``speex``, ...; :meth:`appliance.audio.echo.EchoCanceller.trace_rows`);
+    - ``mic_served_ms``: the frames among them whose microphone went to the VAD in AEC3's place (over_echo);
+    - ``over_first_ms``: the first frame whose microphone stood over the far end's predicted echo by the
+      bypass's margin (None: none), and ``over_max_db`` the most it stood over that margin;
+    - ``frames``: per frame from ``TRACE_BEFORE_MS`` before the onset, ``[ms, serving, in_db, out_db, over_db,
+      served_mic]``: the microphone's and what went to the VAD's power (dBFS), how far the microphone's band most
+      over the far end's predicted echo stood over the bypass's margin (dB, None: no prediction), and whether the
+      microphone went to the VAD in AEC3's place;
+    - ``vad``: ``[ms at the window's end, probability]`` per Silero window from ``TRACE_BEFORE_MS`` before;
+    - ``gates``: ``[ms, test, passed, figures]`` per onset-gate check in that span."""
+    rows = read_trace(tap.path, onset - TRACE_BEFORE_MS * MODEL_RATE // 1000, fired)
+    if not rows:
+        return None
+    ms = lambda t: round((t - onset) * 1000.0 / MODEL_RATE, 1)  # noqa: E731
+    frames = [r for r in rows if r[0] == "frame"]
+    after = [r for r in frames if r[1] + 160 > onset]
+    serving: dict = {}
+    for r in after:
+        serving[r[2]] = serving.get(r[2], 0) + 1
+    over = [r for r in after if r[5] is not None and r[5] >= 0]
+    return {
+        "onset_sample": int(onset), "fired_sample": int(fired), "serving": serving, "mic_served_ms": 10 * sum(1 for r in after if r[6]),
+        "over_first_ms": ms(over[0][1]) if over else None,
+        "over_max_db": max((r[5] for r in after if r[5] is not None), default=None),
+        "frames": [[ms(r[1])] + list(r[2:]) for r in frames],
+        "vad": [[ms(r[1]), r[2]] for r in rows if r[0] == "vad"],
+        "gates": [[ms(r[1]), r[2], r[3], r[4]] for r in rows if r[0] == "gate"],
+    }
 
 
 @contextlib.contextmanager
@@ -657,6 +717,11 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
                      "drift_wander_ms": room.wander_ms},
             # Which canceller served the VAD: the AEC3 stand-in until Speex showed convergence, then Speex.
             "echo_hand_over": handed_over,
+            # Each barge-in as the service met it: its latency split and what the listener did from the user's
+            # onset to the window that paused the reply (case_trace).
+            "barge_in_cases": [{"kind": o.case.kind, "label": o.case.label, "detected_ms": o.barge.get("detected_ms"),
+                                "output_silent_ms": o.barge.get("output_silent_ms"), "split": o.barge.get("split"),
+                                "trace": o.barge.get("trace")} for o in outcomes if o.barge],
             "tap": {"offset_frames": svc.tap.offsets[:1] + sorted(set(svc.tap.offsets[1:]) - set(svc.tap.offsets[:1])),
                     "correlation": svc.tap.peak},
             "not_run": ["cold_barge_in", "next_reply"],

@@ -65,20 +65,35 @@ class DeviceInfo:
 
 
 class _Stream:
-    """A streaming soxr resampler (float32 mono) that is a no-op at equal rates."""
+    """A streaming soxr resampler (float32 mono, ``HQ``) that is a no-op at equal rates.
 
-    def __init__(self, src: int, dst: int):
+    ``low_latency``: soxr's variable-rate engine (``vr=True``) at the same fixed ratio, for the capture path to
+    16 kHz (the microphone and its far end, which must match). Why (measured here, 48 -> 16 kHz, fed in 1024-,
+    512- and 480-sample blocks): soxr's fixed-rate engine hands out its output in bursts and so holds back
+    21 ms of the microphone at the median, 35 ms at p95 and 36 ms at most after a block, the variable-rate one
+    12.5 ms (17.8 at most, with 1024- and 512-sample blocks), with the same passband (flat to 7.5 kHz, under
+    -110 dB from 9 kHz) and 2 samples (0.125 ms) more delay. Every barge-in is heard that much sooner. The
+    cost: 0.19 % of one core per 48 kHz stream against 0.04 %.
+    """
+
+    def __init__(self, src: int, dst: int, low_latency: bool = False):
         self.src, self.dst = src, dst
         self._rs = None
         if src != dst:
             import soxr
 
-            self._rs = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ")
+            self._rs = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ", vr=low_latency)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self._rs is None:
             return x
         return self._rs.resample_chunk(x)
+
+
+def capture_stream(rate: int) -> _Stream:
+    """The capture path's resampler from a device's ``rate`` (Hz) to 16 kHz: the microphone's and its far end's
+    (the same kind, so the two stay in step sample for sample); soxr's low-latency engine (see :class:`_Stream`)."""
+    return _Stream(rate, MODEL_RATE, low_latency=True)
 
 
 class FarEnd:
@@ -113,7 +128,7 @@ class FarEnd:
         self.max_queue = self.lead + int(max_ahead_s * out_rate)
         self._queue = np.zeros(self.lead, dtype=np.float32)  # played samples not yet paired
         self._frac = 0.0
-        self._rs = _Stream(out_rate, MODEL_RATE)
+        self._rs = capture_stream(out_rate)  # as the microphone's (DeviceAudio._reader)
         self.short = 0  # played samples missing at pairing (silence instead; each shifts the alignment)
         self.resynced = 0  # played samples dropped because the output ran ahead
         self.level = (len(self._queue), len(self._queue))  # (min, max) queue length at pairing, samples
@@ -477,7 +492,7 @@ class DeviceAudio(AudioPort):
         info = link.info
         assert info is not None
         to_dev = _Stream(self.playback_rate, info.out_rate)
-        mic_rs = _Stream(info.in_rate, MODEL_RATE)
+        mic_rs = capture_stream(info.in_rate)  # (and FarEnd's, in step with it)
         fifo = np.zeros(0, dtype=np.float32)  # device-rate samples resampled but not yet sent
         far = FarEnd(info.in_rate, info.out_rate, info.in_block, info.out_block)
         self.far_end = far
@@ -543,8 +558,8 @@ class DeviceAudio(AudioPort):
                               far.level[0], far.level[1], far.lead, far.short, far.resynced)
                     far.level = (far.lead, far.lead)
                 if len(mic):
-                    # The resamplers give their samples in bursts (soxr HQ 48 -> 16 kHz: nothing for two 10 ms
-                    # blocks, then 30 ms); the far end waits with the microphone's.
+                    # A resampler may give its samples in bursts (soxr's fixed-rate engine, 48 -> 16 kHz: nothing
+                    # for two 10 ms blocks, then 30 ms); the far end waits with the microphone's.
                     far_end = np.concatenate(far_wait)
                     far_wait = []
                     self.capture(mic, far_end)
