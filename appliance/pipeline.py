@@ -131,7 +131,7 @@ class Listener:
         self._echo_base = 0  # ... when the canceller was bound (its frame 0)
         self._trace: list = []  # the VAD's rows of this block, if tapped
         if self.tap is not None:
-            self.segmenter.on_window = lambda start, p: self._trace.append(("vad", start + WINDOW, round(p, 3)))
+            self.segmenter.observe(lambda start, p: self._trace.append(("vad", start + WINDOW, round(p, 3))))
         self._bind_gate()
         self._thread: Optional[threading.Thread] = None
 
@@ -148,8 +148,9 @@ class Listener:
         (``near_end_clear``)."""
         e = self.echo
         self.segmenter.use_gate(getattr(e, "near_end_present", None), getattr(e, "near_end_clear", None))
-        if self.tap is not None and hasattr(e, "trace"):
-            e.trace, self._echo_base = [], self._pushed  # the canceller's rows for the tap's trace
+        if self.tap is not None and hasattr(e, "record_trace"):
+            e.record_trace(True)  # the canceller's rows for the tap's trace
+            self._echo_base = self._pushed
 
     def configure(self, *, vad=None, interruption=None, end_of_turn=_KEEP, wake=_KEEP, echo=_KEEP, stream=_KEEP,
                   stream_step_ms: Optional[int] = None) -> None:
@@ -273,9 +274,9 @@ class Listener:
                 self._write_trace()
             except (TypeError, ValueError, OSError) as e:  # a benchmark's trace must not stop the listener
                 log.warning("the tap's trace stopped: %s", e)
-                self.segmenter.on_window = None
-                if self.echo is not None and hasattr(self.echo, "trace"):
-                    self.echo.trace = None
+                self.segmenter.observe(None)
+                if self.echo is not None and hasattr(self.echo, "record_trace"):
+                    self.echo.record_trace(False)
         if self.stream is not None:
             self._feed_stream()
 

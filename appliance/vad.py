@@ -287,6 +287,12 @@ class VadSegmenter:
         silence rule alone."""
         self.end_of_turn = end_of_turn
 
+    def observe(self, on_window: Optional[Callable[[int, float], None]]) -> None:
+        """Have ``on_window(start, p)`` called for every window from now on (None: no observer): the
+        window's first sample on the pushed audio's clock (16 kHz samples) and its Silero probability, before
+        the window's events; for a benchmark's trace (:mod:`appliance.audio.tap`)."""
+        self.on_window = on_window
+
     def use_gate(self, onset_gate: Optional[Callable[[], bool]],
                  onset_evidence: Optional[Callable[[], bool]] = None) -> None:
         """Take the echo canceller's double-talk tests (:attr:`onset_gate`, :attr:`onset_evidence`), or none.

@@ -593,8 +593,13 @@ class EchoCanceller:
                                {k: (round(float(v), 1) if isinstance(v, (float, np.floating))
                                     else bool(v) if isinstance(v, np.bool_) else v) for k, v in figures.items()}))
 
+    def record_trace(self, on: bool) -> None:
+        """Start (``True``: an empty :attr:`trace`) or stop (``False``: None, nothing kept) recording the
+        rows :meth:`trace_rows` hands out; for a benchmark's trace only."""
+        self.trace = [] if on else None
+
     def trace_rows(self) -> list:
-        """What :attr:`trace` (a list, set by a benchmark; None: nothing kept) holds, taken out of it: rows
+        """What :attr:`trace` (a list while :meth:`record_trace` is on; None: nothing kept) holds, taken out of it: rows
         ``("frame", k, serving, in_db, out_db, over_db, served_mic)`` per 10 ms frame ``k`` (this canceller's
         frame count, 160 samples each from its first), ``serving`` what went to the VAD (``"aec3"``: the
         stand-in; ``"speex"``; ``"cold"``: Speex unconverged and the stand-in not fed, nothing played; ``"none"``:
