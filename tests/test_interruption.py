@@ -437,8 +437,9 @@ def test_the_canceller_a_scenario_hands_on_has_heard_its_room_ring_out(parts, em
     in a real-time run (s14) 22 of 73 ended with a reply still playing (all 15 backchannels, 4 of 9 long
     barge-ins, 3 of 6 noises), and the session stopped there. Handed on as it was, the canceller had seen its
     far end play on while the echo stopped dead, which no room does, and Speex then suppressed the user's onset
-    in the next replies: the run's "Wait, I want ..." (en-gb, 0 dB, 0.9 s in) was heard 98.4 ms after its onset,
-    34.4 ms with the room's tail fed (bit-exact offline replays of the run's recorded input).
+    in later replies: the run's "Wait, I want ..." (en-gb, 0 dB, 0.9 s in), on a canceller carried from the room's
+    first reply and such a scenario, was heard 98.4 ms after its onset, 34.4 ms with that scenario's tail fed
+    (bit-exact offline replays of the run's recorded input).
 
     Here, with real parts and fixed renderings: a reply played whole, then one cut 0.24 s in, then that user
     0.9 s into the next reply. The canceller the benchmark hands on (:func:`bench.ring_out`) hears the user

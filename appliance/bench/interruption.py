@@ -546,9 +546,10 @@ def ring_out(echo, room) -> None:
     the listener would (``quiet``: nobody answered, no utterance open). A scenario ends wherever its check is
     met, often with the reply (or the next one) still playing; without this, the canceller saw its far end
     play on while the echo stopped dead, a room no service is ever in. Measured here (offline, bit-exact replays
-    of a real-time run's recorded microphone and far end, s14): a case that ended 240 ms into the next reply left
-    Speex suppressing the user's onset 7-10 dB more two scenarios later, and that barge-in was heard 98.4 ms after
-    the onset instead of 34.4 ms with the tail fed."""
+    of a real-time run's recorded microphone and far end, s14): a long barge-in that ended 240 ms into the reply to
+    the interjection left Speex's preprocessor suppressing a later user's onset 7-10 dB more (a canceller carried
+    from the room's first reply and that scenario only): en-gb "Wait, I want ..." was heard 98.4 ms after its
+    onset, 34.4 ms with that scenario's tail fed; and the next reply paused on its own echo 158 ms in."""
     tail = room.ring_out(RING_OUT_S)
     silent = np.zeros(room.block, dtype=np.float32)
     for i in range(0, len(tail), room.block):
