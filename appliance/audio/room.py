@@ -468,6 +468,30 @@ class SimulatedRoom:
                 continue
             return
 
+    def ring_out(self, seconds: float) -> np.ndarray:
+        """The microphone after the speaker has gone silent: ``seconds`` of what is still in the room, the
+        echo path's tail of what was played (its delay and impulse response) plus the room's noise, with
+        nothing new played and nobody talking. A room does not go quiet the instant its speaker does; a
+        benchmark that hands the canceller on to its next scenario feeds it this, so that the canceller never
+        sees its far end stop with the echo cut off at the same sample (a state a real room never produces).
+        Advances the room's clock; records nothing in :attr:`output`, :attr:`mic` or :attr:`echo`.
+
+        :returns: float32 [round(seconds * rate) rounded down to whole blocks] at the room's rate.
+        """
+        blocks = []
+        for _ in range(int(seconds * self.rate) // self.block):
+            n, b = self.n, self.block
+            mic = np.zeros(b, dtype=np.float32)
+            if self._echo_gain is not None:
+                line = np.concatenate([self._echo_line, np.zeros(b, dtype=np.float32)])
+                mic += self._echo_gain * np.convolve(line, self._echo_fir, mode="valid").astype(np.float32)
+                self._echo_line = line[len(line) - len(self._echo_line):] if len(self._echo_line) else line[:0]
+            if self._noise is not None and len(self._noise):
+                mic += self._noise_gain * self._noise[np.arange(n, n + b) % len(self._noise)]
+            self.n += b
+            blocks.append(mic)
+        return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+
     def output_audio(self) -> np.ndarray:
         return np.concatenate(self.output) if self.output else np.zeros(0, dtype=np.float32)
 
