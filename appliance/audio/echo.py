@@ -1061,7 +1061,8 @@ class EchoCanceller:
         gate decisions reproduced, 509 checks of 2 runs), none of those windows passes now. The simulated room
         never steps the echo's gain on a running canceller, and the suites' barge-ins (0.4 s into a reply or
         later) did not move (99 cases x 2 renderings, offline). On real streams this needs ``FAR_SILENT``: the
-        far end between replies there is 1e-43, not zeros, and no silence was ever seen.
+        far end between replies there is 1e-43, not zeros, and no reply started afresh (``restarts`` 0 over a
+        whole run, replayed).
 
         Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
         (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
