@@ -412,7 +412,8 @@ class EchoCanceller:
         self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
         self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before, and served (kept 64)
         self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
-        self._reply_far = 1 << 30  # far-active frames since the far end returned after a silence (_restart_due)
+        self._reply_far = 1 << 30  # the same count whoever serves (_oe_reply_frames: only while the stand-in predicts),
+        #   and "long ago" until a first silence; NEW_REPLY_FRAMES reads it
         # The echo's tail in the far end's silences (see _follow_tail): the room's decay, measured, and the tail
         # predicted from the microphone's own bands.
         self._tail_k = TAIL_MAX_FRAMES  # far-silent frames since the far end last played (0: it plays; none yet: over)
