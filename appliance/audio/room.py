@@ -428,15 +428,9 @@ class SimulatedRoom:
                     mic[lo - n : hi - n] += audio[lo - start : hi - start]
             self._active = [(s, a) for s, a in self._active if s + len(a) > n + b]
         self.near_active.append(bool(np.any(mic != 0.0)))
-        if self._echo_gain is not None:
-            line = np.concatenate([self._echo_line, out])
-            echo = self._echo_gain * np.convolve(line, self._echo_fir, mode="valid").astype(np.float32)
-            self._echo_line = line[len(line) - len(self._echo_line):] if len(self._echo_line) else line[:0]
+        echo = self._add_room(mic, out)
+        if echo is not None:
             self.echo.append(echo)
-            mic += echo
-        if self._noise is not None and len(self._noise):
-            idx = (np.arange(n, n + b) % len(self._noise))
-            mic += self._noise_gain * self._noise[idx]
         self.mic.append(mic)
         self.n += b
         self.capture(mic, out)
@@ -478,19 +472,30 @@ class SimulatedRoom:
 
         :returns: float32 [round(seconds * rate) rounded down to whole blocks] at the room's rate.
         """
-        blocks = []
+        blocks, silent = [], np.zeros(self.block, dtype=np.float32)
         for _ in range(int(seconds * self.rate) // self.block):
-            n, b = self.n, self.block
-            mic = np.zeros(b, dtype=np.float32)
-            if self._echo_gain is not None:
-                line = np.concatenate([self._echo_line, np.zeros(b, dtype=np.float32)])
-                mic += self._echo_gain * np.convolve(line, self._echo_fir, mode="valid").astype(np.float32)
-                self._echo_line = line[len(line) - len(self._echo_line):] if len(self._echo_line) else line[:0]
-            if self._noise is not None and len(self._noise):
-                mic += self._noise_gain * self._noise[np.arange(n, n + b) % len(self._noise)]
-            self.n += b
+            mic = np.zeros(self.block, dtype=np.float32)
+            self._add_room(mic, silent)
+            self.n += self.block
             blocks.append(mic)
         return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+
+    def _add_room(self, mic: np.ndarray, out: np.ndarray) -> Optional[np.ndarray]:
+        """Add to ``mic`` (float32 [block], the microphone's samples from :attr:`n`) the echo of ``out`` (what
+        was played in that block: delayed, through the impulse response, at the echo's gain), then the room's
+        noise; the echo path keeps ``out`` for the blocks after.
+
+        :returns: the echo added (float32 [block]), or None with no echo path.
+        """
+        echo = None
+        if self._echo_gain is not None:
+            line = np.concatenate([self._echo_line, out])
+            echo = self._echo_gain * np.convolve(line, self._echo_fir, mode="valid").astype(np.float32)
+            self._echo_line = line[len(line) - len(self._echo_line):] if len(self._echo_line) else line[:0]
+            mic += echo
+        if self._noise is not None and len(self._noise):
+            mic += self._noise_gain * self._noise[np.arange(self.n, self.n + len(mic)) % len(self._noise)]
+        return echo
 
     def output_audio(self) -> np.ndarray:
         return np.concatenate(self.output) if self.output else np.zeros(0, dtype=np.float32)
