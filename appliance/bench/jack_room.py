@@ -75,6 +75,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
+from ..audio.echo import FRAME
 from ..audio.files import MODEL_RATE, resample
 from ..audio.jack_room import SILENT_PEAK, JackRoom
 from ..audio.room import synthetic_ir
@@ -610,13 +611,14 @@ def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
         return None
     ms = lambda t: round((t - onset) * 1000.0 / MODEL_RATE, 1)  # noqa: E731
     frames = [r for r in rows if r[0] == "frame"]
-    after = [r for r in frames if r[1] + 160 > onset]
+    after = [r for r in frames if r[1] + FRAME > onset]
     serving: dict = {}
     for r in after:
         serving[r[2]] = serving.get(r[2], 0) + 1
     over = [r for r in after if r[5] is not None and r[5] >= 0]
     return {
-        "onset_sample": int(onset), "fired_sample": int(fired), "serving": serving, "mic_served_ms": 10 * sum(1 for r in after if r[6]),
+        "onset_sample": int(onset), "fired_sample": int(fired), "serving": serving,
+        "mic_served_ms": 1000 * FRAME // MODEL_RATE * sum(1 for r in after if r[6]),
         "over_first_ms": ms(over[0][1]) if over else None,
         "over_max_db": max((r[5] for r in after if r[5] is not None), default=None),
         "frames": [[ms(r[1])] + list(r[2:]) for r in frames],
