@@ -471,6 +471,26 @@ def test_a_cold_canceller_never_lets_the_first_reply_through(far_end, gain_db, i
     assert ec.handovers == 1 and ec.warm  # ... and Speex took over once it had converged, for good
 
 
+def test_the_hand_over_frame_is_the_first_frame_that_speex_served(far_end):
+    """``handover_frame`` is where the VAD's input changes from the AEC3 stand-in's output to Speex's (as the
+    canceller's own trace labels each frame), and the bench's ``served_by`` reads it: the split of its barge-in
+    latencies by who served at the user's onset (``barge_in_ms_by_canceller``) rests on this frame."""
+    from appliance.bench.interruption import served_by
+
+    mic, room = through_room(far_end, 0.0)
+    ec = EchoCanceller("speex", noise_suppression=True)
+    ec.record_trace(True)
+    for i, played in enumerate(room.output):
+        ec.process(mic[i * FRAME : (i + 1) * FRAME], played)
+    frames = [r for r in ec.trace_rows() if r[0] == "frame"]
+    speex = [r[1] for r in frames if r[2] == "speex"]
+    assert ec.handovers == 1 and speex, "Speex never took over: the test would show nothing"
+    assert ec.handover_frame == speex[0] and speex == list(range(speex[0], frames[-1][1] + 1))
+    assert {r[2] for r in frames if r[1] < speex[0]} <= {"aec3", "cold"}
+    assert served_by(ec, speex[0] - 1) == "stand_in" and served_by(ec, speex[0]) == "speex"
+    assert served_by(EchoCanceller("webrtc"), 0) == "webrtc"
+
+
 @pytest.mark.parametrize("lead_ms,ir,onset_s", [(83, True, 5.50), (37, False, 5.14)])
 def test_the_first_reply_does_not_pause_on_itself_after_the_hand_over(parts, lead_ms, ir, onset_s):
     """The first reply after a start, nobody talking, the listener's own segmenter and onset gate: Speex takes

@@ -377,6 +377,12 @@ def test_barge_in_latency_is_split_into_vad_listener_and_output():
     got = bench.summarise(outs, [])["barge_in_split_ms"]
     assert got["vad_ms"] == {"p50": 72.0, "p95": 72.0, "max": 72.0, "n": 1}
     assert got["output_ms"]["p50"] == 6.0 and got["listener_ms"]["n"] == 1
+    # ... and by who served the VAD at the onset (the stand-in, or Speex after its hand-over)
+    outs[0].served_by = "stand_in"
+    outs.append(bench.Outcome(case, [], True, served_by="speex",
+                              barge={"output_silent_ms": 41.0, "detected_ms": 35.0, "split": split}))
+    assert bench.summarise(outs, [])["barge_in_ms_by_canceller"] == {
+        "speex": {"p50": 41.0, "p95": 41.0, "n": 1}, "stand_in": {"p50": 87.0, "p95": 87.0, "n": 1}}
 
 
 def test_the_next_reply_starts_where_it_first_plays_after_the_flush():

@@ -344,6 +344,7 @@ class EchoCanceller:
         self._stand_in_ready = bool(stand_in) and backend == "speex"  # wanted (False once it proved unavailable)
         self.stand_in_frames = 0  # frames the stand-in's output went to the VAD
         self.handovers = 0  # stand-in -> Speex hand-overs
+        self.handover_frame: Optional[int] = None  # the first frame (10 ms, counted from this canceller's first) Speex served
         self.warm = backend == "webrtc"  # Speex starts cold (see _update_mode)
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
@@ -768,7 +769,8 @@ class EchoCanceller:
         return not self.warm and self._stand_in is not None
 
     def _update_mode(self, n: int, grew: bool = True) -> None:
-        """Hand over from the stand-in to Speex once :meth:`converged`, for good: from then on the
+        """Hand over from the stand-in to Speex once :meth:`converged` (from this call's frames on:
+        :attr:`handover_frame`), for good: from then on the
         converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
         the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
         measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
@@ -778,6 +780,7 @@ class EchoCanceller:
         if grew and self.converged():
             self.warm, self._stand_in = True, None
             self.handovers += 1
+            self.handover_frame = self.frames  # process() serves this call's frames from Speex already
             self._handover_far = self._far_frames
             return
         if self._stand_in is None and self._stand_in_ready:

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..audio.backends import open_port
-from ..audio.echo import HB_MIN_REL_DB
+from ..audio.echo import FRAME, HB_MIN_REL_DB
 from ..audio.files import MODEL_RATE, load_audio, resample, write_wav
 from ..audio.room import RoomSpec, Scenario, ScriptedUtterance, synthetic_ir
 from ..config import Config
@@ -397,6 +397,7 @@ class Outcome:
     output: Optional[np.ndarray] = None
     echo: object = None  # the canceller the case ran with (a room's later cases go on with it)
     stand_in_ms: Optional[float] = None  # of the reply's audio, how much the cold-start stand-in served, ms
+    served_by: Optional[str] = None  # the canceller whose output the VAD heard at the user's onset (served_by)
 
 
 def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=None,
@@ -517,6 +518,8 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
         if drained:
             why.append(f"the reply ended {1000.0 * (drained[0]['t'] - speech[0]['onset_t']):+.0f} ms after the onset")
         out.note = "; ".join(why)
+    if case.kind in ("barge_in", "short_stop", "cold_barge_in") and speech and echo is not None:
+        out.served_by = served_by(echo, frame0 + int(round(speech[0]["onset_t"] * MODEL_RATE)) // FRAME)
     if case.kind in ("barge_in", "short_stop", "cold_barge_in") and speech:
         b = [x for x in barge_ins(recs, output) if abs(x["onset_t"] - speech[0]["onset_t"]) < 1e-6]
         out.barge = b[0] if b else None
@@ -535,6 +538,16 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
     if echo is not None:
         ring_out(echo, room)
     return out
+
+
+def served_by(echo, frame: int) -> str:
+    """Whose output the VAD heard at the canceller's 10 ms ``frame`` (counted from its first):
+    ``"stand_in"`` (Speex not yet handed over to: the WebRTC AEC3 stand-in, or nothing where it is missing),
+    ``"speex"``, or the backend's name for a canceller with no hand-over (``"webrtc"``)."""
+    if getattr(echo, "backend", None) != "speex":
+        return str(getattr(echo, "backend", "unknown"))
+    handed = getattr(echo, "handover_frame", None)
+    return "speex" if handed is not None and handed <= frame else "stand_in"
 
 
 RING_OUT_S = 0.5  # longer than the echo path's delay and the reverberant room's RT60 (300 ms) together
@@ -603,6 +616,10 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
     return {
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
+        # who served the VAD at the user's onset: the cold-start stand-in or Speex (EchoCanceller.handover_frame)
+        "barge_in_ms_by_canceller": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in sorted(
+            {s: silent_ms([o for o in barge + by("short_stop") if o.served_by == s])
+             for s in {o.served_by for o in barge + by("short_stop") if o.served_by}}.items())},
         "barge_in_split_ms": {k: {"p50": pct(part(k), 50), "p95": pct(part(k), 95), "max": max(part(k), default=None),
                                   "n": len(part(k))} for k in ("vad_ms", "listener_ms", "output_ms")
                               + (("input_ms",) if part("input_ms") else ())},
@@ -683,7 +700,7 @@ def run(cfg: Config, parts: Parts, json_path: Optional[Path], cache_dir: Path, q
             rooms[c.room] = o.echo
         outcomes.append(o)
         silent = o.barge.get("output_silent_ms") if o.barge else None
-        print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} stand_in_ms={o.stand_in_ms} flushed={o.flushed} resumed={o.resumed} "
+        print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} stand_in_ms={o.stand_in_ms} served_by={o.served_by} flushed={o.flushed} resumed={o.resumed} "
                    f"silent_ms={silent} detected_ms={o.barge.get('detected_ms') if o.barge else None} split={o.barge.get('split') if o.barge else None} gap_ms={o.resume_gap_ms} gate_refused_at_onset={o.gate_near_onset} echo_headroom_db={o.gate_headroom_db}/{o.gate_hb_headroom_db}/{o.gate_both_headroom_db}/{o.gate_strong_headroom_db} early={o.early_onsets} verdicts={o.verdicts}"
                    + ("" if o.valid else " INVALID") + (f" ({o.note})" if o.note else ""))
     costs = clf.costs_ms[start_costs:] if clf else []
