@@ -181,8 +181,16 @@ NO_ECHO_DB = -40.0  # a band whose microphone energy stays this far under the fa
 WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in
 _HANN = np.hanning(FRAME).astype(np.float32)
 _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
-_BAND_OF_BIN = np.digitize(_FREQS, BAND_EDGES_HZ[1:-1])  # bin -> band index 0..3
 N_BANDS = len(BAND_EDGES_HZ) - 1
+
+
+def _band_matrix(edges) -> np.ndarray:
+    """float64 [bins, bands]: 1 where an FFT bin of a frame (``_FREQS``) falls in a band of ``edges`` (Hz, ascending)."""
+    of_bin = np.digitize(_FREQS, edges[1:-1])
+    return (of_bin[:, None] == np.arange(len(edges) - 1)[None, :]).astype(np.float64)
+
+
+_BAND_MATRIX = _band_matrix(BAND_EDGES_HZ)
 BACKENDS = ("webrtc", "speex")
 UNBANDED_FRAMES = 64  # idle frames whose bands are computed when read: as many as the per-frame lists keep
 BYPASS_REWARM_FRAMES = 20  # the bypassed frames Speex processes when it is needed again (EchoCanceller._rewarm)
@@ -200,6 +208,12 @@ OVER_ECHO_FLOOR_DB = -30.0  # ... or this far under the band's usual level while
 OVER_ECHO_SUPPRESSED_DB = 20.0  # ... and only in a frame that AEC3 took at least this much of (its suppressor at work)
 OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end back after RESTART_SILENCE_S) ...
 OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
+OVER_ECHO_BAND_EDGES_HZ = BAND_EDGES_HZ  # the bands in which over_echo predicts the echo and _echo_explained compares
+_OE_MATRIX = _band_matrix(OVER_ECHO_BAND_EDGES_HZ)
+N_OE_BANDS = len(OVER_ECHO_BAND_EDGES_HZ) - 1
+_OE_HB = np.asarray(OVER_ECHO_BAND_EDGES_HZ[:-1]) >= HB_HZ  # the prediction's bands in the high band (>= HB_HZ)
+_OE_BROAD = np.digitize(np.asarray(OVER_ECHO_BAND_EDGES_HZ[:-1]), BAND_EDGES_HZ[1:-1])  # each one's BAND_EDGES_HZ band
+EXPLAINED_BROAD = False  # _echo_explained compares the prediction summed into BAND_EDGES_HZ's bands (False: its own)
 TAIL_DECAY_DB = 1.0  # the echo's tail (EchoCanceller.tail_decay_db): its decay, dB per 10 ms frame, before any is
 #   measured (RT60 600 ms: a longer room than most, so the tail is held too long rather than too short) ...
 TAIL_DECAY_RANGE_DB = (1.0, 6.0)  # ... and the measured decay kept within this (RT60 600 down to 100 ms) ...
@@ -403,7 +417,7 @@ class EchoCanceller:
         # The stand-in's bypass (over_echo): the echo the far end predicts, band by band, while the stand-in may serve.
         self.over_echo_db = over_echo_db
         self.over_echo_frames = 0  # frames whose microphone went to the VAD in place of the stand-in's output
-        self._oe_smear = np.zeros(N_BANDS)  # the far end's bands, smeared by the room's decay
+        self._oe_smear = np.zeros(N_OE_BANDS)  # the far end's bands (OVER_ECHO_BAND_EDGES_HZ), smeared by the room's decay
         self._oe_smeared: list[np.ndarray] = []  # ... per frame, the newest OVER_ECHO_DELAY_FRAMES[1]
         self._oe_in: list[np.ndarray] = []  # per frame: the microphone's bands and the predicted echo's (unscaled)
         self._oe_pred: list[np.ndarray] = []
@@ -506,21 +520,25 @@ class EchoCanceller:
             self._unbanded += [(self.frames + i, near[i].copy(), out_f[i].copy()) for i in range(n)]
             del self._unbanded[:-UNBANDED_FRAMES]
         else:
-            b_in, b_out = _band_energies(near), _band_energies(out_f)
+            p_in = _power(near)
+            b_in, b_out = p_in @ _BAND_MATRIX, _band_energies(out_f)
         hb_in, hb_out = b_in[:, -1], b_out[:, -1]  # the last band is the high band (>= HB_HZ)
         # The far end's bands only serve the cold start (band floors, hand-over): no FFT of it once warm.
         # While nothing plays the far end is digital silence: its bands are zero without an FFT.
-        b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else _band_energies(far))
+        p_far = None if self.warm or far_silent else _power(far)
+        b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else p_far @ _BAND_MATRIX)
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
         oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
         if b_far is not None and self._stand_in_ready:
             if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
                 self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
-                self._oe_smear = np.zeros(N_BANDS)
+                self._oe_smear = np.zeros(N_OE_BANDS)
                 self._oe_pass += [False] * n
                 del self._oe_pass[:-64]
             else:
                 oe_stats = self._over_echo_stats()
+                o_in = p_in @ _OE_MATRIX  # the prediction's own bands (OVER_ECHO_BAND_EDGES_HZ)
+                o_far = np.zeros((n, N_OE_BANDS)) if far_silent else p_far @ _OE_MATRIX
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
@@ -540,7 +558,7 @@ class EchoCanceller:
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
             if oe_stats is not None:
-                self._predict_echo(b_in[i], b_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
+                self._predict_echo(o_in[i], o_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
             if far_silent:
@@ -805,7 +823,7 @@ class EchoCanceller:
 
     def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, stats: tuple) -> None:
         """One frame of :meth:`over_echo`'s bookkeeping (``b_in``, ``b_far``: the frame's band energies,
-        float64 [N_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`)."""
+        float64 [N_OE_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`)."""
         lo, hi = OVER_ECHO_DELAY_FRAMES
         # (the room's decay where it is measured slower than the bench's: the prediction must not fall faster
         #   than the tail)
@@ -813,7 +831,7 @@ class EchoCanceller:
         self._oe_smear = np.maximum(b_far, self._oe_smear * 10 ** (-decay / 10))
         self._oe_smeared.append(self._oe_smear)
         del self._oe_smeared[:-hi]
-        pred = np.max(self._oe_smeared[:-lo], axis=0) if len(self._oe_smeared) > lo else np.zeros(N_BANDS)
+        pred = np.max(self._oe_smeared[:-lo], axis=0) if len(self._oe_smeared) > lo else np.zeros(N_OE_BANDS)
         self._oe_in.append(b_in)
         self._oe_pred.append(pred)
         del self._oe_in[:-3], self._oe_pred[:-3]
@@ -828,8 +846,8 @@ class EchoCanceller:
         gain, noise = stats
         if gain is not None and len(self._oe_in) == 3 and self.over_echo_db is not None:
             echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
-            margin = np.full(N_BANDS, self.over_echo_db)
-            margin[-1] += OVER_ECHO_HB_EXTRA_DB
+            margin = np.full(N_OE_BANDS, self.over_echo_db)
+            margin[_OE_HB] += OVER_ECHO_HB_EXTRA_DB
             if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
                 margin += OVER_ECHO_NEW_DB
             over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
@@ -942,7 +960,10 @@ class EchoCanceller:
         if gain is None or len(self._oe_in) < 3:
             return False
         echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
-        return bool(np.all(np.sum(self._oe_in, axis=0) < 10 ** (EXPLAINED_DB / 10) * (echo + 1e-10)))
+        mic = np.sum(self._oe_in, axis=0)
+        if EXPLAINED_BROAD:
+            echo, mic = np.bincount(_OE_BROAD, echo, N_BANDS), np.bincount(_OE_BROAD, mic, N_BANDS)
+        return bool(np.all(mic < 10 ** (EXPLAINED_DB / 10) * (echo + 1e-10)))
 
     def _stand_in_fed(self) -> bool:
         """Whether the stand-in processes the frames now: while it is active and the far end played within
@@ -1435,12 +1456,14 @@ def _band_energies(frames: np.ndarray) -> np.ndarray:
     """Energy of each row of ``frames`` (float32 [n, FRAME]) in each band of ``BAND_EDGES_HZ``, Hann-windowed,
     scaled so that a white signal's band energy is its share of ``sum(x**2)``; float64 [n, N_BANDS]. The
     last band is the high band (>= ``HB_HZ``) of the onset gate's second test."""
+    return _power(frames) @ _BAND_MATRIX
+
+
+def _power(frames: np.ndarray) -> np.ndarray:
+    """Each row of ``frames`` (float32 [n, FRAME]) as power per FFT bin (``_FREQS``), Hann-windowed and scaled as
+    :func:`_band_energies` says; float64 [n, FRAME // 2 + 1]."""
     spec = np.fft.rfft(frames * _HANN, axis=1)
-    power = (spec.real ** 2 + spec.imag ** 2) * (2.0 / (FRAME * 0.375))
-    out = np.zeros((len(frames), N_BANDS))
-    for b in range(N_BANDS):
-        out[:, b] = power[:, _BAND_OF_BIN == b].sum(axis=1)
-    return out
+    return (spec.real ** 2 + spec.imag ** 2) * (2.0 / (FRAME * 0.375))
 
 
 def erle_db(near: np.ndarray, out: np.ndarray, mask: Optional[np.ndarray] = None) -> Optional[float]:
