@@ -28,9 +28,10 @@ def _config(args: argparse.Namespace) -> Config:
     if getattr(args, "embedded", False):
         if not args.config:
             return embedded_config(Config())
+        cfg = load(args.config)  # a broken file is its one-line error, with no note about a config never loaded
         print(f"note: --embedded with --config {args.config}: its model, voice, gpio and history settings are "
               "replaced by the embedded defaults; the rest of it is used", file=sys.stderr)
-        return embedded_config(load(args.config))
+        return embedded_config(cfg)
     if args.config:
         path = Path(args.config)
     elif args.command == "run":  # run refuses --embedded (its model cannot hear): not offered as a fix
@@ -83,7 +84,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"{out}: cannot create the output directory ({exc.strerror}); give a writable --out DIR") from None
+        what = "is a file, not a directory" if out.is_file() else f"cannot create the output directory ({exc.strerror})"
+        raise UserError(f"{out}: {what}; give --out a directory (new, or one whose earlier replay may be replaced)") from None
     # on a terminal, say what the first seconds are spent on (run does, under systemd too); piped or --quiet,
     # stderr stays for the one-line errors
     from contextlib import nullcontext
@@ -112,6 +114,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"reply:    {out / 'reply.wav'}")
     print(f"timeline: {out / 'timeline.jsonl'}")
     print(f"report:   {out / 'report.json'}")
+    print(f"metrics:  {out / 'metrics.jsonl'}")
     if args.fast:
         print("(--fast: the room waited for the pipeline, so these latencies are in simulated time, not measured)")
     for t in report["turns"]:

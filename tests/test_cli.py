@@ -153,6 +153,25 @@ def test_replay_to_an_unwritable_folder_fails_before_loading_models(tmp_path):
     one_line_error(r, "/proc/appliance-out", "cannot create the output directory")
 
 
+def test_replay_out_naming_a_file_says_a_directory_is_needed(tmp_path):
+    """A fresh user's --out named an existing file: the error said "(File exists)" and not what --out must be."""
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me\n")
+    r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(f), "--embedded")
+    one_line_error(r, str(f), "is a file, not a directory", "give --out a directory")
+    assert f.read_text() == "keep me\n"
+
+
+def test_embedded_with_a_broken_config_gives_its_error_alone(tmp_path):
+    """A fresh user's ``--embedded --config F`` with F not valid YAML printed the note about what the embedded
+    defaults replace in F before F's error: two lines, one of them about a config never loaded."""
+    cfg = tmp_path / "broken.yaml"
+    cfg.write_text("vad: [threshold: 0.6\n")
+    r = appliance("replay", str(DEMO / "barge-in.yaml"), "--out", str(tmp_path / "o"), "--config", str(cfg),
+                  "--embedded")
+    one_line_error(r, str(cfg), "invalid YAML")
+
+
 def test_wav_input_to_a_text_only_model_asks_for_a_transcript(tmp_path):
     r = appliance("replay", str(DEMO / "question.wav"), "--out", str(tmp_path / "o"), "--embedded")
     one_line_error(r, "question.wav", "--transcript")

@@ -72,8 +72,8 @@ def load_audio(path: str | Path, rate: int = MODEL_RATE, max_seconds: float = MA
         raise UserError(f"{path}: the audio file holds no samples; record or generate some speech into it")
     bad = int(np.count_nonzero(~np.isfinite(mono)))
     if bad:
-        raise UserError(f"{path}: {bad} samples are NaN or infinite (a broken float WAV); re-export it, e.g. as "
-                        "16-bit PCM (`sox in.wav -b 16 out.wav`)")
+        raise UserError(f"{path}: {bad} sample{'s are' if bad != 1 else ' is'} NaN or infinite (a broken float WAV); "
+                        "re-export it, e.g. as 16-bit PCM (`sox in.wav -b 16 out.wav`)")
     return resample(mono, sr, rate)
 
 
