@@ -397,7 +397,7 @@ class Outcome:
     output: Optional[np.ndarray] = None
     echo: object = None  # the canceller the case ran with (a room's later cases go on with it)
     stand_in_ms: Optional[float] = None  # of the reply's audio, how much the cold-start stand-in served, ms
-    served_by: Optional[str] = None  # the canceller whose output the VAD heard at the user's onset (served_by)
+    served_by: Optional[str] = None  # whose output the VAD heard at the user's onset: see served_by()
 
 
 def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=None,
@@ -592,6 +592,10 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         return {"count": sum(1 for o in os_ if o.interrupted), "n": len(os_)}
 
     lat = silent_ms(barge + by("short_stop"))
+    by_canceller: dict[str, list[float]] = {}  # the same latencies by who served the VAD at the onset (served_by)
+    for o in barge + by("short_stop"):
+        if o.served_by:
+            by_canceller.setdefault(o.served_by, []).extend(silent_ms([o]))
     # the same barge-ins' latency, part by part (latency_split)
     split = [o.barge["split"] for o in barge + by("short_stop")
              if o.barge and o.barge.get("output_silent_ms") and o.barge.get("split")]
@@ -617,9 +621,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
         "barge_in_ms": {"p50": pct(lat, 50), "p95": pct(lat, 95), "n": len(lat)},
         "barge_in_ms_by_kind": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in parts.items()},
         # who served the VAD at the user's onset: the cold-start stand-in or Speex (EchoCanceller.handover_frame)
-        "barge_in_ms_by_canceller": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for k, v in sorted(
-            {s: silent_ms([o for o in barge + by("short_stop") if o.served_by == s])
-             for s in {o.served_by for o in barge + by("short_stop") if o.served_by}}.items())},
+        "barge_in_ms_by_canceller": {k: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)}
+                                     for k, v in sorted(by_canceller.items())},
         "barge_in_split_ms": {k: {"p50": pct(part(k), 50), "p95": pct(part(k), 95), "max": max(part(k), default=None),
                                   "n": len(part(k))} for k in ("vad_ms", "listener_ms", "output_ms")
                               + (("input_ms",) if part("input_ms") else ())},
