@@ -178,7 +178,7 @@ def test_the_trace_beside_the_tap_holds_every_vad_window_and_canceller_frame_on_
 
 def test_a_barge_ins_trace_is_read_from_the_users_onset_to_the_window_that_fired(tmp_path):
     from appliance.audio.tap import AudioTap
-    from appliance.bench.jack_room import ServiceTap, case_trace
+    from appliance.bench.jack_room import ServiceTap, case_trace, served_at_onset
 
     tap = AudioTap(tmp_path / "tap.f32")
     onset = 16000
@@ -194,6 +194,10 @@ def test_a_barge_ins_trace_is_read_from_the_users_onset_to_the_window_that_fired
     assert t["frames"][-1] == [70.0, "aec3", -30.0, -35.0, 16.0, True]
     assert t["vad"][0] == [-80.0, -0.5] and t["vad"][-1] == [80.0, 0.5]  # (the scores are made up)
     assert t["gates"] == [[80.0, "stand_in", True, {"aec3": False, "explained": False, "over_echo": True}]]
+    # whose output the VAD heard at the onset, in the simulated room's words (barge_in_ms_by_canceller)
+    assert served_at_onset(t) == "stand_in" and served_at_onset(None) is None
+    next(f for f in t["frames"] if f[0] == 0.0)[1] = "speex"  # the frame that holds the onset, as a converged canceller's
+    assert served_at_onset(t) == "speex"
 
 
 def test_the_trace_takes_numpy_scalars():

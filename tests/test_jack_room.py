@@ -161,6 +161,8 @@ def test_no_pause_on_its_own_echo_when_nobody_talks(running):
 def test_barge_in_through_the_service_on_real_streams(running):
     """No echo path (headphones): the reply plays through the worker's 48 kHz streams, the user's "Wait,
     stop." silences it within the bound as the room hears it, and the reply is dropped."""
+    from appliance.bench.jack_room import served_at_onset
+
     room, svc = running
     wait = load_audio(ROOT / "demo" / "wait.wav")
     for attempt in range(4):
@@ -187,3 +189,4 @@ def test_barge_in_through_the_service_on_real_streams(running):
     assert abs(trace["vad"][-1][0] - split["vad_ms"]) <= 1.0 and trace["vad"][-1][1] >= 0.2, trace["vad"][-3:]
     frames = [f[0] for f in trace["frames"] if f[0] > -10.0]
     assert sum(trace["serving"].values()) == len(frames) and frames == sorted(set(frames)), trace["serving"]
+    assert out.served_by in {"stand_in", "speex"} and out.served_by == served_at_onset(trace)
