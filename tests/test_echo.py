@@ -745,7 +745,7 @@ def _onsets(mic: np.ndarray, far: np.ndarray, **kw) -> tuple[list[int], EchoCanc
 def test_the_stand_in_lets_a_user_over_its_echo_through_before_its_suppressor_does(far_end):
     """The JACK room at +300 ppm with the clipping speaker: Speex never shows convergence, and the AEC3 stand-in,
     fresh at each reply, held a user's first 100-400 ms back (its suppressor took 35-40 dB of "Hold on." as it
-    started, measured here on the service's own streams). Where the microphone stands 12 dB over the echo that
+    started, measured here on the service's own streams). Where the microphone stands 15 dB over the echo that
     the far end predicts and AEC3 took 20 dB or more of the frame, the microphone goes to the VAD
     (``EchoCanceller.over_echo``). Measured here: en-gb+m3 "Hold on." (as loud as the echo) 1 s into the reply,
     onset -> the window that fired 442 ms through the stand-in alone, 106 ms with the bypass; the echo alone
@@ -808,41 +808,16 @@ def test_a_reply_louder_than_the_last_does_not_pause_on_its_own_start(parts, far
     assert onsets == [], [round(t / 16000, 2) for t in onsets]
 
 
-def test_the_bypass_takes_a_clipping_speakers_harmonics_in_the_far_ends_valleys_for_echo(far_end, monkeypatch):
-    """The stand-in's bypass predicts the echo in 250 Hz bands (``OVER_ECHO_BAND_EDGES_HZ``), where a clipping
-    speaker's harmonics fill the far end's spectral valleys far over the plain prediction; the valley floor
-    (``EchoCanceller._predict_echo``) takes them for echo. The reply three times through the drifting room with
-    the speaker driven twice as hard as the JACK room's (``tanh(4x)/4``), nobody talking: with the floor, no onset;
-    without it (no band ever counted a valley, no floor before), the reply paused itself."""
-    pytest.importorskip("livekit", reason="the stand-in is WebRTC AEC3 (livekit)")
-    import appliance.audio.echo as echo_module
-
-    gap = np.zeros(2 * 16000, np.float32)
-    far = np.concatenate([far_end, gap, far_end, gap, far_end])
-    y = (np.tanh(4 * far) / 4).astype(np.float32)
-    y = np.interp(np.arange(len(y)) * (1 + 300e-6), np.arange(len(y)), y).astype(np.float32)
-    y = np.concatenate([np.zeros(480, np.float32), y])[: len(far)]
-    mic = np.convolve(y, synthetic_ir(150.0))[: len(far)].astype(np.float32)
-    mic += (10 ** (-70 / 20) * np.random.default_rng(0).standard_normal(len(far))).astype(np.float32)
-    ends, ec = _onsets(mic, far)
-    assert ends == [] and ec.handovers == 0, [round(e / 16000, 2) for e in ends]
-    served = ec.over_echo_frames
-    monkeypatch.setattr(echo_module, "OVER_ECHO_VALLEY_DB", -400.0)
-    monkeypatch.setattr(echo_module, "OVER_ECHO_VALLEY_UNKNOWN_DB", -400.0)
-    ends, ec = _onsets(mic, far)
-    # (measured here: 5 onsets, the microphone served in 196 frames against 2)
-    assert ends and ec.over_echo_frames > served, (ends, ec.over_echo_frames, served)
-
-
-@pytest.mark.parametrize("room", ["linear", "clipping"])
-def test_the_stand_in_hears_a_user_early_in_the_reply_after_a_short_one(parts, far_end, room):
+@pytest.mark.xfail(strict=True, reason="issue 14, open: the AEC3 stand-in holds a user's onset back early in a reply "
+                                       "(581 ms here); a fix must make this pass")
+def test_the_stand_in_hears_a_user_early_in_the_reply_after_a_short_one(parts, far_end):
     """The stand-in's weak case (issue 14), as ``tools/standin-eval`` sets it: the first reply after a start was
     short ("Yes, I can help.", 1 s), so Speex has not converged when the next reply starts 2 s later, and AEC3,
     fresh at each reply, holds a user's onset back. The echo at the user's usual level (``USER_DBFS``), 30 ms +
-    RT60 150 ms (the clipping room: ``tanh(2x)/2`` and +300 ppm first); a user (espeak en-gb+m3, "Wait, I want to
-    ask...") 6 dB under it 0.2 s into the next reply. With the bypass's 4 bands and 15 dB margin (+6 dB in a
-    reply's first 0.5 s) the onset came 581 ms after the user's in the linear room and 165 ms in the clipping one
-    (measured here); with its 16 bands, the valley floor and 12 dB, 133 ms in both."""
+    RT60 150 ms; a user (espeak en-gb+m3, "Wait, I want to ask...") 6 dB under it 0.2 s into the next reply. The
+    onset came 581 ms after the user's (measured here); the bound is 200 ms. Tried in session 16: the bypass's
+    prediction in 16 bands with a valley floor heard it in 133 ms, but did not hold on the JACK room's real
+    streams (docs/measurements.md)."""
     pytest.importorskip("livekit", reason="the stand-in is WebRTC AEC3 (livekit)")
     from appliance.bench.interruption import LONG_INTERRUPTIONS, USER_DBFS, active_dbfs, at_level, espeak
 
@@ -854,13 +829,7 @@ def test_the_stand_in_hears_a_user_early_in_the_reply_after_a_short_one(parts, f
                           np.zeros(rate // 2, np.float32)])
     b0 = rate // 2 + len(short) + 2 * rate
     gain = 10 ** ((USER_DBFS - active_dbfs(far_end)) / 20)
-    if room == "clipping":
-        y = (np.tanh(2 * far) / 2).astype(np.float32)
-        y = np.interp(np.arange(len(y)) * (1 + 300e-6), np.arange(len(y)), y).astype(np.float32)
-        y = np.concatenate([np.zeros(480, np.float32), y])[: len(far)]
-        echo = (gain * np.convolve(y, synthetic_ir(150.0))[: len(far)]).astype(np.float32)
-    else:
-        echo = (gain * through_room(far, 0.0)[0]).astype(np.float32)
+    echo = (gain * through_room(far, 0.0)[0]).astype(np.float32)
     user = at_level(espeak(LONG_INTERRUPTIONS[0], "en-gb+m3"), USER_DBFS - 6.0)
     mic = echo.copy()
     at = b0 + rate // 5

@@ -76,8 +76,7 @@ user's first 100-250 ms (measured here, the 48 kHz JACK room, the service's own 
 scored AEC3's output 0.02-0.1 over "Hold on." while Speex's output scored it 0.85 at 40 ms; Speex's output was no
 evidence either, its residual scored as speech all through the replies). So the far end itself predicts the
 echo: per band, the far end's energy smeared by the room's decay and delayed 20-50 ms, times the echo path's gain
-measured as the floors are (the microphone over the prediction, last 2 s of far end), at least the band's
-valley floor, plus the room's noise (16 bands: see :meth:`EchoCanceller._predict_echo`). A
+measured as the floors are (the microphone over the prediction, last 2 s of far end), plus the room's noise. A
 band more than ``OVER_ECHO_DB`` over it (the high band ``OVER_ECHO_HB_EXTRA_DB`` more) in two frames running is
 the user's: where AEC3 took ``OVER_ECHO_SUPPRESSED_DB`` or more of such a frame, the microphone goes to the VAD
 in its place, and the onset gate passes. Measured here, offline, on 17 barge-ins of one JACK run (+300 ppm,
@@ -198,7 +197,7 @@ BYPASS_REWARM_FRAMES = 20  # the bypassed frames Speex processes when it is need
 BYPASS_AFTER_FRAMES = 300  # ... and none before Speex has processed this many frames (3 s) since it was built: its
 #   preprocessor's noise estimate learns the room first, so a cold start (the question often comes within the first
 #   seconds, and the first reply after it is the one most at risk of pausing itself) runs exactly as with no bypass
-OVER_ECHO_DB = 12.0  # the stand-in's bypass (EchoCanceller.over_echo): a band of the microphone this far above the echo
+OVER_ECHO_DB = 15.0  # the stand-in's bypass (EchoCanceller.over_echo): a band of the microphone this far above the echo
 #   the far end predicts (and the room's noise), in two consecutive 10 ms frames, is the user's, not our echo ...
 OVER_ECHO_HB_EXTRA_DB = 10.0  # ... and this much further in the high band (>= HB_HZ), where a clipping speaker's
 #   harmonics sit over a far end that has little there: echo alone reached 17 dB over the prediction
@@ -206,18 +205,16 @@ OVER_ECHO_DELAY_FRAMES = (2, 6)  # ... the echo predicted from the far end 20-50
 OVER_ECHO_DECAY_DB = 4.0  # ... smeared by the room's decay, dB per 10 ms frame (RT60 150 ms) ...
 OVER_ECHO_NOISE_FRAMES = 300  # ... plus the room's noise: the 5th percentile of the microphone's bands over these frames,
 OVER_ECHO_FLOOR_DB = -30.0  # ... or this far under the band's usual level while the far end plays, if that is more
-OVER_ECHO_VALLEY_DB = -20.0  # ... and in a band whose predicted echo is this far under the whole prediction (a valley of
-#   the far end's spectrum), at least what the microphone held in such valleys, relative to the whole prediction ...
-OVER_ECHO_VALLEY_PCT = 90.0  # ... this percentile of it over the far-active frames kept (a distorting speaker's
-#   harmonics and intermodulation fill the valleys: see EchoCanceller._predict_echo) ...
-OVER_ECHO_VALLEY_MIN_FRAMES = 5  # ... once the band has been a valley in this many of them ...
-OVER_ECHO_VALLEY_UNKNOWN_DB = -25.0  # ... and this before (with no floor there, the tests' clipping room's first reply
-#   paused itself once, measured here)
 OVER_ECHO_SUPPRESSED_DB = 20.0  # ... and only in a frame that AEC3 took at least this much of (its suppressor at work)
-OVER_ECHO_BAND_EDGES_HZ = (0.0, 250.0, 500.0, 750.0, 1000.0, 1250.0, 1500.0, 1750.0, HB_HZ, 2750.0, 3500.0, 4250.0,
-                           5000.0, 5750.0, 6500.0, 7250.0, MODEL_RATE / 2 + 1)  # the bands in which over_echo predicts
-#   the echo: 250 Hz under HB_HZ, 750 Hz over (nested in BAND_EDGES_HZ's; _echo_explained sums them back into those).
-#   Finer than the floors' four, where a user's voice stands out of our echo sooner; see EchoCanceller._predict_echo.
+OVER_ECHO_NEW_FRAMES = 50  # the first far-active frames of a reply (the far end back after RESTART_SILENCE_S) ...
+OVER_ECHO_NEW_DB = 6.0  # ... need this much more: the echo's level may have changed over the silence (a volume step)
+OVER_ECHO_BAND_EDGES_HZ = BAND_EDGES_HZ  # the bands in which over_echo predicts the echo (nested in BAND_EDGES_HZ's;
+#   _echo_explained sums them back into those). Its own constant because finer bands hear a user sooner: measured here,
+#   offline (tools/standin-eval, full, 272 barge-ins 0.2-0.6 s into a reply after a short one, all on the stand-in),
+#   16 bands (250 Hz under 2 kHz) missed 22 instead of 47, p50 146.5 vs 168.4 ms, with 0 echo onsets; but the tests'
+#   clipping, drifting room stood up to 25 dB over their prediction at 1-2 kHz on echo alone (16.9 dB over these 4)
+#   and paused 18 of 36 echo-only replies, and a fixed extra margin there made 1 case of 272 slower (171 -> 699 ms).
+#   Not changed until a per-band margin that adapts to the room is measured (docs/measurements.md, session 15).
 _OE_MATRIX = _band_matrix(OVER_ECHO_BAND_EDGES_HZ)
 N_OE_BANDS = len(OVER_ECHO_BAND_EDGES_HZ) - 1
 _OE_HB = np.asarray(OVER_ECHO_BAND_EDGES_HZ[:-1]) >= HB_HZ  # the prediction's bands in the high band (>= HB_HZ)
@@ -431,11 +428,11 @@ class EchoCanceller:
         self._oe_pred: list[np.ndarray] = []
         self._oe_lt_in: list[np.ndarray] = []  # ... over far-active frames (the echo path's gain, as the floors)
         self._oe_lt_pred: list[np.ndarray] = []
-        self._oe_lt_valley: list[np.ndarray] = []  # ... the microphone over the whole prediction in each valley band (NaN: not one)
         self._oe_quiet: list[np.ndarray] = []  # the microphone's bands of the last OVER_ECHO_NOISE_FRAMES banded frames
         self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
         self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before, and served (kept 64)
-        self._reply_far = 1 << 30  # far-active frames since the far end returned after a silence (_restart_due),
+        self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
+        self._reply_far = 1 << 30  # the same count whoever serves (_oe_reply_frames: only while the stand-in predicts),
         #   and "long ago" until a first silence; NEW_REPLY_FRAMES reads it
         # The echo's tail in the far end's silences (see _follow_tail): the room's decay, measured, and the tail
         # predicted from the microphone's own bands.
@@ -496,6 +493,7 @@ class EchoCanceller:
                 self._restart_aec3()
             else:
                 self._restart_pending = True  # the stand-in's, when it is next fed (its far end may be too quiet now)
+            self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
             self._reply_far = 0
         t0 = time.perf_counter()
         if bypass:
@@ -535,7 +533,7 @@ class EchoCanceller:
         p_far = None if self.warm or far_silent else _power(far)
         b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else p_far @ _BAND_MATRIX)
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
-        oe_stats = None  # the echo path's gain, the room's noise and the valley floors for over_echo, once a call (see _over_echo_stats)
+        oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
         if b_far is not None and self._stand_in_ready:
             if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
                 self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
@@ -818,48 +816,19 @@ class EchoCanceller:
     def _over_echo_stats(self) -> tuple:
         """(the echo path's gain per band: the microphone's energy over the predicted echo's, summed over the
         far-active frames kept but the newest ``FLOOR_LAG_FRAMES``, as the floors; the room's noise per band:
-        the 5th percentile of the microphone's band energy over the frames kept; each band's valley floor: the
-        ``OVER_ECHO_VALLEY_PCT`` percentile of the microphone there over the whole predicted echo, over the same
-        far-active frames in which that band was a valley, ``OVER_ECHO_VALLEY_UNKNOWN_DB`` where it was
-        one in fewer than ``OVER_ECHO_VALLEY_MIN_FRAMES``), float64 [N_OE_BANDS] each,
-        or (None, None, None) before ``LT_FRAMES // 4`` such frames."""
+        the 5th percentile of the microphone's band energy over the frames kept), float64 [N_BANDS] each,
+        or (None, None) before ``LT_FRAMES // 4`` such frames."""
         if len(self._oe_lt_in) - FLOOR_LAG_FRAMES < LT_FRAMES // 4:
-            return None, None, None
+            return None, None
         kept = self._oe_lt_in[:-FLOOR_LAG_FRAMES]
         mic = np.sum(kept, axis=0)
         gain = mic / (np.sum(self._oe_lt_pred[:-FLOOR_LAG_FRAMES], axis=0) + 1e-12)
         quiet = np.maximum(np.percentile(self._oe_quiet, 5, axis=0), mic / len(kept) * 10 ** (OVER_ECHO_FLOOR_DB / 10))
-        valley = np.full(N_OE_BANDS, 10 ** (OVER_ECHO_VALLEY_UNKNOWN_DB / 10))
-        if len(self._oe_lt_valley) > FLOOR_LAG_FRAMES:
-            # np.percentile's linear interpolation per band over its valley frames only (sorted: NaNs go last)
-            ranked = np.sort(np.asarray(self._oe_lt_valley[:-FLOOR_LAG_FRAMES]), axis=0)
-            count = np.sum(~np.isnan(ranked), axis=0)
-            at = np.maximum(count - 1, 0) * (OVER_ECHO_VALLEY_PCT / 100.0)
-            lo = np.floor(at).astype(int)
-            hi = np.minimum(lo + 1, np.maximum(count - 1, 0))
-            bands = np.arange(N_OE_BANDS)
-            measured = ranked[lo, bands] + (ranked[hi, bands] - ranked[lo, bands]) * (at - lo)
-            known = count >= OVER_ECHO_VALLEY_MIN_FRAMES
-            valley[known] = measured[known]
-        return gain, quiet, valley
+        return gain, quiet
 
     def _predict_echo(self, b_in: np.ndarray, b_far: np.ndarray, far_active: bool, stats: tuple) -> None:
         """One frame of :meth:`over_echo`'s bookkeeping (``b_in``, ``b_far``: the frame's band energies,
-        float64 [N_OE_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`).
-
-        The echo predicted in a band over the newest 3 frames is the far end's energy there (smeared, delayed)
-        times the band's gain, but at least the band's valley floor times the whole prediction, plus the room's
-        noise. Why the valley floor: in 250 Hz bands the plain prediction falls far under the microphone in the
-        far end's spectral valleys. A clipping speaker (the tests' ``tanh(2x)/2``) fills them with its harmonics:
-        echo alone stood up to 25 dB over the plain prediction at 1-2 kHz, and 16 bands with a 15 dB margin paused
-        18 of 36 echo-only replies there (measured here, offline, session 15). Measured in the valleys (the band's
-        plain prediction 20 dB or more under the whole), the microphone's 90th percentile sat 19-25 dB under the
-        whole prediction at 750 Hz-3.5 kHz and 28-40 dB under it higher up, in the clipping room and in a linear
-        one alike (measured here, one Piper reply), so the floor costs a linear room some of the finer bands' gain.
-
-        With 12 dB instead of 15 and no extra margin at a reply's start, these bands and the floor halved the
-        stand-in's missed barge-ins early in a reply with no more echo onsets (``tools/standin-eval``; the figures
-        are in docs/measurements.md, session 16)."""
+        float64 [N_OE_BANDS]; ``far_active``: the far end played in it; ``stats``: :meth:`_over_echo_stats`)."""
         lo, hi = OVER_ECHO_DELAY_FRAMES
         # (the room's decay where it is measured slower than the bench's: the prediction must not fall faster
         #   than the tail)
@@ -872,30 +841,24 @@ class EchoCanceller:
         self._oe_pred.append(pred)
         del self._oe_in[:-3], self._oe_pred[:-3]
         if far_active:
+            self._oe_reply_frames += 1
             self._oe_lt_in.append(b_in)
             self._oe_lt_pred.append(pred)
             del self._oe_lt_in[:-LT_FRAMES], self._oe_lt_pred[:-LT_FRAMES]
         self._oe_quiet.append(b_in)
         del self._oe_quiet[:-OVER_ECHO_NOISE_FRAMES]
         over = False
-        gain, noise, valley = stats
-        if gain is not None and len(self._oe_in) == 3:
-            mic = np.sum(self._oe_in, axis=0)
-            echo = gain * np.sum(self._oe_pred, axis=0)
-            whole = float(np.sum(echo))
-            if far_active:
-                self._oe_lt_valley.append(np.where(echo < 10 ** (OVER_ECHO_VALLEY_DB / 10) * whole,
-                                                   mic / (whole + 1e-20), np.nan))
-                del self._oe_lt_valley[:-LT_FRAMES]
-            if self.over_echo_db is not None:
-                echo = np.maximum(echo, valley * whole) + 3 * noise
-                margin = np.full(N_OE_BANDS, self.over_echo_db)
-                margin[_OE_HB] += OVER_ECHO_HB_EXTRA_DB
-                over = bool(np.any(mic >= 10 ** (margin / 10) * (echo + 1e-10)))
-                if self.trace is not None:
-                    self._oe_over.append(round(float(np.max(10 * np.log10((mic + 1e-20) / (echo + 1e-10)) - margin)), 1))
-            elif self.trace is not None:
-                self._oe_over.append(None)
+        gain, noise = stats
+        if gain is not None and len(self._oe_in) == 3 and self.over_echo_db is not None:
+            echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
+            margin = np.full(N_OE_BANDS, self.over_echo_db)
+            margin[_OE_HB] += OVER_ECHO_HB_EXTRA_DB
+            if self._oe_reply_frames < OVER_ECHO_NEW_FRAMES:
+                margin += OVER_ECHO_NEW_DB
+            over = bool(np.any(np.sum(self._oe_in, axis=0) >= 10 ** (margin / 10) * (echo + 1e-10)))
+            if self.trace is not None:
+                self._oe_over.append(round(float(np.max(10 * np.log10((np.sum(self._oe_in, axis=0) + 1e-20)
+                                                                      / (echo + 1e-10)) - margin)), 1))
         elif self.trace is not None:
             self._oe_over.append(None)
         self._oe_pass.append(over and bool(self._oe_frame and self._oe_frame[-1]))
@@ -998,7 +961,7 @@ class EchoCanceller:
         prediction in any band."""
         if self._tail_k > TAIL_ANCHOR_FRAMES:
             return False  # past the echo's delay into a silence: the tail test's (_tail_test), or no echo at all
-        gain, noise, _ = self._over_echo_stats() if self._oe_lt_in else (None, None, None)
+        gain, noise = self._over_echo_stats() if self._oe_lt_in else (None, None)
         if gain is None or len(self._oe_in) < 3:
             return False
         echo = gain * np.sum(self._oe_pred, axis=0) + 3 * noise
