@@ -491,6 +491,7 @@ def evaluate(case: sim.Case, room: JackRoom, svc: ServiceUnderTest, k0: int, q, 
     after = speech[0]["onset_t"] - 0.05 if speech else q_end
     out.interrupted = sum(1 for r in recs if r["event"] == "interrupted" and r["t"] >= after)
     out.flushed = any(r["event"] == "flushed" and r["t"] >= after for r in recs)
+    out.self_flushed = sim.self_flushed(case.kind, recs, after) if out.valid else False  # (the JSON's replies_flushed)
     resumed = [r for r in recs if r["event"] == "resumed" and r["t"] >= after]
     out.resumed = bool(resumed) and not out.flushed
     if speech and resumed:
