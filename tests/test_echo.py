@@ -815,9 +815,8 @@ def test_the_stand_in_hears_a_user_early_in_the_reply_after_a_short_one(parts, f
     short ("Yes, I can help.", 1 s), so Speex has not converged when the next reply starts 2 s later, and AEC3,
     fresh at each reply, holds a user's onset back. The echo at the user's usual level (``USER_DBFS``), 30 ms +
     RT60 150 ms; a user (espeak en-gb+m3, "Wait, I want to ask...") 6 dB under it 0.2 s into the next reply. The
-    onset came 581 ms after the user's (measured here); the bound is 200 ms. Tried in session 16: the bypass's
-    prediction in 16 bands with a valley floor heard it in 133 ms, but did not hold on the JACK room's real
-    streams (docs/measurements.md)."""
+    onset came 581 ms after the user's (measured here); the bound is 200 ms. What was tried on it, and why it was
+    not kept: docs/measurements.md."""
     pytest.importorskip("livekit", reason="the stand-in is WebRTC AEC3 (livekit)")
     from appliance.bench.interruption import LONG_INTERRUPTIONS, USER_DBFS, active_dbfs, at_level, espeak
 
