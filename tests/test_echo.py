@@ -513,7 +513,7 @@ def test_the_first_reply_does_not_pause_on_itself_after_the_hand_over(parts, lea
         onsets += [round(e.t_sample / 16000, 2) for e in events if e.kind == "onset"]
         if ec.handovers and handed_over_s is None:
             handed_over_s = (i + 1) * FRAME / 16000
-    assert ec.handovers == 1 and handed_over_s < onset_s - 1.0  # Speex took over well before that onset ...
+    assert ec.handovers == 1 and handed_over_s < onset_s - 0.3  # Speex took over before that onset (and its window) ...
     assert seg.gated >= 10  # ... and the gate refused windows of its residual that Silero took for speech
     assert onsets == []
 
@@ -598,9 +598,9 @@ def test_a_band_with_no_echo_is_not_cold():
     nothing to converge on, so it does not hold the gate shut (the user could never barge in otherwise)."""
     ec = EchoCanceller("speex", noise_suppression=True, gate_db=-10.0)
     rng = np.random.default_rng(5)
-    far = (0.1 * rng.standard_normal(16000)).astype(np.float32)
-    mic = (10 ** (-70 / 20) * rng.standard_normal(16000)).astype(np.float32)  # a quiet room, no echo
-    for i in range(0, 16000, FRAME):
+    far = (0.1 * rng.standard_normal(32000)).astype(np.float32)  # 2 s: the hand-over needs 0.5 s of convergence
+    mic = (10 ** (-70 / 20) * rng.standard_normal(32000)).astype(np.float32)  # a quiet room, no echo
+    for i in range(0, 32000, FRAME):
         ec.process(mic[i : i + FRAME], far[i : i + FRAME])
     assert all(erl < -40.0 for erl in ec.band_return_loss_db())
     assert ec.converged() and ec.warm and not ec.is_cold()

@@ -179,6 +179,8 @@ COLD_DB = GATE_MAX_DB - GATE_MARGIN_DB  # a window whose expected residual echo 
 NO_ECHO_DB = -40.0  # a band whose microphone energy stays this far under the far end's has no echo to cancel
 #   (headphones, a speaker in another room): echo there would sit 60 dB under a -20 dBFS reply, under Silero's notice
 WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in
+HANDOVER_FAR_FRAMES = 50  # ... once it has held through this many far-active frames (0.5 s) in a row: on a drifting,
+#   clipping speaker the floors touched -24 dB for a moment, and Speex took over and passed its own echo (session 16)
 _HANN = np.hanning(FRAME).astype(np.float32)
 _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 N_BANDS = len(BAND_EDGES_HZ) - 1
@@ -404,6 +406,7 @@ class EchoCanceller:
         self._lt_new = 0  # far-end frames the floors took since the gate last passed (see _keep_onset_out)
         self._far_frames = 0  # far-active frames processed (as the floors count them)
         self._handover_far = 0  # ... at the hand-over
+        self._converged_far: Optional[int] = None  # ... when converged() last became true (None: it is not)
         # Idle (the far end digital silence in every frame kept): the microphone's and the output's bands are
         # computed only when the far end returns or a reader asks (see process, _fill_bands). False: every frame.
         self.skip_idle_bands = skip_idle_bands
@@ -792,15 +795,20 @@ class EchoCanceller:
         return not self.warm and self._stand_in is not None
 
     def _update_mode(self, n: int, grew: bool = True) -> None:
-        """Hand over from the stand-in to Speex once :meth:`converged` (from this call's frames on:
-        :attr:`handover_frame`), for good: from then on the
+        """Hand over from the stand-in to Speex once :meth:`converged` has held through ``HANDOVER_FAR_FRAMES``
+        far-active frames in a row (from this call's frames on: :attr:`handover_frame`), for good: from then on the
         converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
         the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
         measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
         floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if grew and self.converged():
+        if grew:
+            if not self.converged():
+                self._converged_far = None
+            elif self._converged_far is None:
+                self._converged_far = self._far_frames
+        if grew and self._converged_far is not None and self._far_frames - self._converged_far >= HANDOVER_FAR_FRAMES:
             self.warm, self._stand_in = True, None
             self.handovers += 1
             self.handover_frame = self.frames  # process() serves this call's frames from Speex already
