@@ -173,9 +173,7 @@ class Listener:
         """
         def apply() -> None:
             if vad is not None:
-                self.segmenter.configure(vad.threshold, vad.min_speech_ms, vad.min_silence_ms, vad.max_utterance_s,
-                                         interruption.interjection_silence_ms, vad.short_stop_ms,
-                                         vad.end_of_turn_threshold, vad.max_silence_ms)
+                self.segmenter.configure(vad, interruption)
             if end_of_turn is not _KEEP:
                 self.segmenter.use_end_of_turn(end_of_turn)
             if wake is not _KEEP:

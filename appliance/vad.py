@@ -272,15 +272,16 @@ class VadSegmenter:
         the next window."""
         self.interjecting, self.both_streams, self.skip_floor = interjecting, both_streams, skip_floor
 
-    def configure(self, threshold: float, min_speech_ms: int, min_silence_ms: int, max_utterance_s: float,
-                  interjection_silence_ms: int, short_stop_ms: int = 200, end_of_turn_threshold: float = 0.5,
-                  max_silence_ms: int = 1000) -> None:
-        """Take new hysteresis settings (``vad.*`` and ``interruption.interjection_silence_ms``, units in the
-        names) from the next window on. Call from the thread that pushes audio, or between pushes."""
-        self.threshold, self.min_speech_ms, self.min_silence_ms = threshold, min_speech_ms, min_silence_ms
-        self.max_utterance_s, self.interjection_silence_ms = max_utterance_s, interjection_silence_ms
-        self.short_stop_ms, self.end_of_turn_threshold = short_stop_ms, end_of_turn_threshold
-        self.max_silence_ms = max_silence_ms
+    def configure(self, vad, interruption) -> None:
+        """Take new hysteresis settings from the next window on: the config's ``vad`` section
+        (:class:`appliance.config.VadConfig`: ``threshold``, ``min_speech_ms``, ``min_silence_ms``,
+        ``max_utterance_s``, ``short_stop_ms``, ``end_of_turn_threshold``, ``max_silence_ms``) and the
+        ``interruption`` section's ``interjection_silence_ms`` (:class:`appliance.config.InterruptionConfig`).
+        Call from the thread that pushes audio, or between pushes."""
+        self.threshold, self.min_speech_ms, self.min_silence_ms = vad.threshold, vad.min_speech_ms, vad.min_silence_ms
+        self.max_utterance_s, self.interjection_silence_ms = vad.max_utterance_s, interruption.interjection_silence_ms
+        self.short_stop_ms, self.end_of_turn_threshold = vad.short_stop_ms, vad.end_of_turn_threshold
+        self.max_silence_ms = vad.max_silence_ms
 
     def use_end_of_turn(self, end_of_turn: Optional[Callable[[np.ndarray], float]]) -> None:
         """Take an end-of-turn model (:class:`appliance.eot.SmartTurn`'s ``probability``), or None for the

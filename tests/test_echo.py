@@ -1,18 +1,16 @@
 """The echo canceller around Speex (pyaec) and WebRTC AEC3 (livekit), on Piper speech played through the
 simulated room's echo path (30 ms + a synthetic RT60 150 ms impulse response). Offline: no real time."""
 
-from typing import Optional
-
 import numpy as np
 import pytest
 
 from appliance.audio.echo import FRAME, OVER_DB, EchoCanceller, erle_db, from_config, stream_delay_ms
-from appliance.audio.files import load_audio, resample
-from appliance.audio.room import RoomSpec, Scenario, SimulatedRoom, synthetic_ir
+from appliance.audio.files import load_audio
+from appliance.audio.room import synthetic_ir
+from appliance.bench.audio import clipping_room, fixed_speech, through_room
 from appliance.config import Config
 from appliance.vad import SileroVad, VadSegmenter
 from appliance.errors import UserError
-from appliance.speech import HEADROOM
 
 from conftest import DEMO
 
@@ -25,33 +23,6 @@ def far_end(parts):
     measured here); with no noise the rendering is fixed."""
     return fixed_speech(parts.tts, "A rainbow is an arc of colours in the sky. It appears when sunlight passes "
                                    "through drops of rain, and each drop splits the light like a small prism.")
-
-
-def fixed_speech(tts, text: str) -> np.ndarray:
-    """Piper's rendering of ``text`` with no noise (the same samples every time), float32 at 16 kHz."""
-    from piper import SynthesisConfig
-
-    fixed = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, volume=HEADROOM)
-    audio = np.concatenate([c.audio_float_array for c in tts.voice.synthesize(text, syn_config=fixed)])
-    return resample(audio.astype(np.float32), tts.sample_rate, 16000)
-
-
-def through_room(far: np.ndarray, gain_db: Optional[float], ir: Optional[np.ndarray] = synthetic_ir(150.0)) \
-        -> tuple[np.ndarray, SimulatedRoom]:
-    """Play ``far`` in the simulated room (unpaced; ``ir`` None: a pure delay, ``gain_db`` None: no echo
-    path) and return the microphone signal and the room (``room.output``: what was played, per block)."""
-    pos = [0]
-
-    def read(n):
-        x = far[pos[0] : pos[0] + n]
-        pos[0] += n
-        return np.pad(x, (0, n - len(x)))
-
-    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=gain_db, echo_delay_ms=30.0, impulse_response=ir)),
-                         read, lambda mic, f: None, on_event=lambda r: None, paced=False)
-    for _ in range(len(far) // FRAME):
-        room.tick()
-    return room.mic_audio(), room
 
 
 @pytest.mark.parametrize("backend", ["speex", "webrtc"])
@@ -721,16 +692,6 @@ def test_a_stop_whose_ratio_stays_just_under_the_threshold_is_heard_before_the_v
     assert _short_stop_onset_ms(parts, far_end, tmp_path, "Stop.", "en-us+f3", 2.0) <= 64.0
 
 
-def _drifting_clipping_room(far: np.ndarray) -> np.ndarray:
-    """``far`` through the JACK room's worst case: a soft-clipping speaker (``tanh(2x)/2``), +300 ppm of clock
-    drift (the echo resampled by 1.0003), 30 ms + RT60 150 ms; room noise at -70 dBFS. :returns: the microphone."""
-    y = (np.tanh(2 * far) / 2).astype(np.float32)
-    y = np.interp(np.arange(len(y)) * (1 + 300e-6), np.arange(len(y)), y).astype(np.float32)
-    y = np.concatenate([np.zeros(480, np.float32), y])[: len(far)]
-    mic = np.convolve(y, synthetic_ir(150.0))[: len(far)].astype(np.float32)
-    return mic + (10 ** (-70 / 20) * np.random.default_rng(0).standard_normal(len(far))).astype(np.float32)
-
-
 def _onsets(mic: np.ndarray, far: np.ndarray, **kw) -> tuple[list[int], EchoCanceller]:
     """The listener's path, unpaced: a fresh Speex canceller (its AEC3 stand-in) and the segmenter with the
     onset gate, 30 ms blocks. :returns: the onsets' window ends (samples) and the canceller."""
@@ -753,7 +714,7 @@ def test_the_stand_in_lets_a_user_over_its_echo_through_before_its_suppressor_do
     pytest.importorskip("livekit", reason="the stand-in is WebRTC AEC3 (livekit)")
     from appliance.bench.interruption import espeak
 
-    echo = _drifting_clipping_room(far_end)
+    echo = clipping_room(far_end)
     quiet, ec = _onsets(echo, far_end)
     assert quiet == [] and ec.handovers == 0 and ec.stand_in_frames > 0  # the stand-in served throughout
     user = espeak("Hold on.", "en-gb+m3")

@@ -453,7 +453,7 @@ def test_the_canceller_a_scenario_hands_on_has_heard_its_room_ring_out(parts, em
     from appliance.audio.echo import FRAME, from_config
     from appliance.audio.files import first_above
     from appliance.audio.room import RoomSpec, Scenario, SimulatedRoom, synthetic_ir
-    from test_echo import fixed_speech
+    from appliance.bench.audio import fixed_speech
 
     far = fixed_speech(parts.tts, "A rainbow is an arc of colours in the sky. It appears when sunlight passes "
                                   "through drops of rain, and each drop splits the light like a small prism.")

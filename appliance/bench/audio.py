@@ -1,0 +1,62 @@
+"""Test audio for the echo benches, tests and tools: the appliance's voice rendered the same every time, and a
+reply played through a room (the simulated room's linear echo path, or the JACK room's worst case computed
+offline). All float32 mono at 16 kHz (``MODEL_RATE``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..audio.echo import FRAME
+from ..audio.files import resample
+from ..audio.room import RoomSpec, Scenario, SimulatedRoom, synthetic_ir
+from ..speech import HEADROOM
+from .interruption import ECHO_DELAY_MS, RT60_MS  # the interruption bench's rooms: the echo's delay and RT60, ms
+
+RATE = 16000  # Hz, every signal here
+
+
+def fixed_speech(tts, text: str) -> np.ndarray:
+    """Piper's rendering of ``text`` with no noise, so the same samples every time (by default Piper draws its
+    noise inside the ONNX graph and each rendering differs), at the speech module's ``HEADROOM``.
+    :param tts: an :class:`appliance.speech.PiperTts`. :returns: float32 [n] at 16 kHz."""
+    from piper import SynthesisConfig
+
+    fixed = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, volume=HEADROOM)
+    audio = np.concatenate([c.audio_float_array for c in tts.voice.synthesize(text, syn_config=fixed)])
+    return resample(audio.astype(np.float32), tts.sample_rate, RATE)
+
+
+def through_room(far: np.ndarray, gain_db: Optional[float], ir: Optional[np.ndarray] = synthetic_ir(RT60_MS),
+                 delay_ms: float = ECHO_DELAY_MS) -> tuple[np.ndarray, SimulatedRoom]:
+    """Play ``far`` (float32 [n], 16 kHz) in the simulated room, unpaced, with an echo path of ``gain_db`` (dB
+    re what is played; None: no echo path), ``delay_ms`` and the impulse response ``ir`` (None: a pure delay).
+    :returns: the microphone (float32 [n // FRAME * FRAME]) and the room (``room.output``: what was played, one
+    ``FRAME``-sample block per tick)."""
+    pos = [0]
+
+    def read(n):
+        x = far[pos[0] : pos[0] + n]
+        pos[0] += n
+        return np.pad(x, (0, n - len(x)))
+
+    room = SimulatedRoom(Scenario([], RoomSpec(echo_gain_db=gain_db, echo_delay_ms=delay_ms, impulse_response=ir)),
+                         read, lambda mic, f: None, on_event=lambda r: None, paced=False)
+    for _ in range(len(far) // FRAME):
+        room.tick()
+    return room.mic_audio(), room
+
+
+def clipping_room(far: np.ndarray, gain_db: float = 0.0, drift_ppm: float = 300.0, drive: float = 2.0,
+                  noise_dbfs: float = -70.0, seed: int = 0) -> np.ndarray:
+    """``far`` (float32 [n], 16 kHz) through the JACK room's worst case, offline: a soft-clipping speaker
+    (``tanh(drive x) / drive``; 2 as the JACK room's ``--speaker clip``), ``drift_ppm`` of clock drift (the
+    echo resampled by ``1 + drift_ppm 1e-6``, linear interpolation), ``ECHO_DELAY_MS`` and the synthetic
+    ``RT60_MS`` impulse response, ``gain_db``, then white room noise at ``noise_dbfs`` (dBFS RMS, from
+    ``seed``). :returns: the microphone, float32 [n]."""
+    y = (np.tanh(drive * far) / drive).astype(np.float32)
+    y = np.interp(np.arange(len(y)) * (1 + drift_ppm * 1e-6), np.arange(len(y)), y).astype(np.float32)
+    y = np.concatenate([np.zeros(int(ECHO_DELAY_MS * RATE / 1000), np.float32), y])[: len(far)]
+    mic = np.convolve(y, synthetic_ir(RT60_MS))[: len(far)] * 10 ** (gain_db / 20)
+    noise = 10 ** (noise_dbfs / 20) * np.random.default_rng(seed).standard_normal(len(far))
+    return (mic + noise).astype(np.float32)
