@@ -564,6 +564,53 @@ def test_without_the_stand_in_a_cold_canceller_refuses_every_onset(far_end):
     assert ec.handovers == 1 and ec.warm
 
 
+def test_the_hand_over_waits_for_convergence_to_hold_through_half_a_second_of_far_end(far_end):
+    """Speex takes over only once :meth:`EchoCanceller.converged` has held through ``HANDOVER_FAR_FRAMES`` (50)
+    far-active frames in a row, not at its first moment: on the JACK room's drifting, clipping speaker every
+    band's floor stood at or under -24 dB for 37 far-active frames and then rose again (a recorded run, replayed
+    offline), and in session 16 Speex took over at such a moment and passed its own echo."""
+    from appliance.audio.echo import HANDOVER_FAR_FRAMES
+
+    mic, room = through_room(far_end, 0.0)
+    ec = EchoCanceller("speex", noise_suppression=True)
+    first = None  # far-active frames when converged() was first true
+    for i, played in enumerate(room.output):
+        ec.process(mic[i * FRAME : (i + 1) * FRAME], played)
+        if not ec.warm and first is None and ec.converged():
+            first = ec._far_frames
+    assert first is not None and ec.handovers == 1, "Speex never converged: the test would show nothing"
+    assert ec._handover_far - first >= HANDOVER_FAR_FRAMES
+
+
+def test_no_hand_over_to_a_speex_that_has_not_converged_within_the_deadline(far_end, monkeypatch):
+    """A path Speex has not learnt within ``HANDOVER_DEADLINE_FAR_FRAMES`` (20 s of far end) is one it cannot
+    model: the stand-in serves on even if the floors later look converged (on the JACK room's clipping speaker they
+    did for 0.7 s, 300 s in, and Speex then paused 47 of 50 replies). Here the microphone hears noise unrelated to
+    the far end for 21 s of far end (nothing to cancel: floors about 0 dB), then the plain echo, which Speex learns
+    within seconds: with no deadline it takes over."""
+    import appliance.audio.echo as echo
+    from appliance.audio.echo import HANDOVER_DEADLINE_FAR_FRAMES
+
+    rng = np.random.default_rng(3)
+    reps = int(np.ceil((HANDOVER_DEADLINE_FAR_FRAMES + 100) * FRAME / len(far_end)))
+    far = np.tile(far_end, reps + 2)
+    mic, _ = through_room(far, 0.0)
+    n = reps * len(far_end)  # the first n samples: noise at the echo's level in place of the echo
+    mic[:n] = (np.std(mic[:n]) * rng.standard_normal(n)).astype(np.float32)
+
+    def run(mic):
+        ec = EchoCanceller("speex", noise_suppression=True)
+        for i in range(0, len(mic) - FRAME + 1, FRAME):
+            ec.process(mic[i : i + FRAME], far[i : i + FRAME])
+        return ec
+
+    late = run(mic)
+    assert late._far_frames > HANDOVER_DEADLINE_FAR_FRAMES + 300  # the echo played on for over 3 s past it
+    assert late.handovers == 0 and late.stand_in_active
+    monkeypatch.setattr(echo, "HANDOVER_DEADLINE_FAR_FRAMES", 10**9)
+    assert run(mic).handovers == 1  # the same stream, no deadline: Speex learnt the echo and took over
+
+
 def test_a_band_with_no_echo_is_not_cold():
     """No echo path (headphones, the demo's room): a band whose microphone stays 40 dB under the far end has
     nothing to converge on, so it does not hold the gate shut (the user could never barge in otherwise)."""

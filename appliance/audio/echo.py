@@ -181,6 +181,11 @@ NO_ECHO_DB = -40.0  # a band whose microphone energy stays this far under the fa
 WARM_DB = COLD_DB - 6.0  # ... and every band's floor at or below this (-24 dB) hands over from the stand-in
 HANDOVER_FAR_FRAMES = 50  # ... once it has held through this many far-active frames (0.5 s) in a row: on a drifting,
 #   clipping speaker the floors touched -24 dB for a moment, and Speex took over and passed its own echo (session 16)
+HANDOVER_DEADLINE_FAR_FRAMES = 2000  # ... and only within this many far-active frames (20 s) of a new canceller: the
+#   simulated rooms' Speex converged within 3.4-5.4 s of far end; on the JACK room's drifting, clipping speaker it
+#   had not after 300 s (its high band's floor -8 dB), and then looked converged for 0.7 s at a +6 dB volume step,
+#   took over and paused 47 of the next 50 replies (session 17). A path Speex has not learnt by then is one it
+#   cannot model: the stand-in serves on, until the next new echo path (a device reopened, a reload).
 _HANN = np.hanning(FRAME).astype(np.float32)
 _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 N_BANDS = len(BAND_EDGES_HZ) - 1
@@ -796,24 +801,25 @@ class EchoCanceller:
 
     def _update_mode(self, n: int, grew: bool = True) -> None:
         """Hand over from the stand-in to Speex once :meth:`converged` has held through ``HANDOVER_FAR_FRAMES``
-        far-active frames in a row (from this call's frames on: :attr:`handover_frame`), for good: from then on the
+        far-active frames in a row, begun within the first ``HANDOVER_DEADLINE_FAR_FRAMES`` (from this call's frames
+        on: :attr:`handover_frame`), for good: from then on the
         converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
         the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
         measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
         floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if grew:
+        if grew and self._far_frames <= HANDOVER_DEADLINE_FAR_FRAMES + HANDOVER_FAR_FRAMES:
             if not self.converged():
                 self._converged_far = None
             elif self._converged_far is None:
                 self._converged_far = self._far_frames
-        if grew and self._converged_far is not None and self._far_frames - self._converged_far >= HANDOVER_FAR_FRAMES:
-            self.warm, self._stand_in = True, None
-            self.handovers += 1
-            self.handover_frame = self.frames  # process() serves this call's frames from Speex already
-            self._handover_far = self._far_frames
-            return
+            if self._converged_far is not None and self._far_frames - self._converged_far >= HANDOVER_FAR_FRAMES:
+                self.warm, self._stand_in = True, None
+                self.handovers += 1
+                self.handover_frame = self.frames  # process() serves this call's frames from Speex already
+                self._handover_far = self._far_frames
+                return
         if self._stand_in is None and self._stand_in_ready:
             try:
                 self._stand_in = EchoCanceller("webrtc", noise_suppression=False, high_pass_filter=True,
