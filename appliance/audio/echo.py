@@ -34,7 +34,11 @@ converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first converge
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
 suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
-for good: a new echo path (a device reopened, a reload) gets a new canceller. Just after the hand-over,
+for good, once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRAMES``) and only within the first
+20 s of far end (``HANDOVER_DEADLINE_FAR_FRAMES``): on a drifting, clipping speaker the floors look converged for
+moments, and Speex taken over at such a moment passed its own echo (sessions 16-17, docs/measurements.md); a path it
+has not learnt by then keeps the stand-in. A new echo path (a device reopened, a reload) gets a new canceller.
+Just after the hand-over,
 Speex's onset gate is stricter for 2 s of the reply of the hand-over and never passes a window far quieter than the echo's
 usual level: a freshly converged Speex's residual still sounds like speech to Silero (see
 :meth:`EchoCanceller.near_end_present`). A chime at start-up was
