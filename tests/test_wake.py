@@ -99,7 +99,9 @@ def test_replay_wake_word_follow_up_and_outside_the_window(tmp_path, parts, embe
         "  - {at: 0.5, say: question.wav, text: \"What is a rainbow?\"}\n"  # no wake word: ignored
         "  - {at: 3.0, say: wake.wav, text: \"Okay Nabu, what is a rainbow?\"}\n"
         "  - {after: speaking, delay: 6.0, say: moon.wav, text: \"What about the moon?\"}\n"
-        "  - {after: speaking, delay: 16.0, say: joke.wav, text: \"Tell me a joke.\"}\n")
+        # 8 s after the second reply ends: outside its 6 s window whatever the reply's length (16 s after it began
+        # was inside it once the tiny model's reply ran 10.2 s)
+        "  - {after: listening, delay: 8.0, say: joke.wav, text: \"Tell me a joke.\"}\n")
     parts.engine.forget()
     report = replay(tmp_path / "s.yaml", tmp_path / "out", parts, cfg, paced=False, max_seconds=90)
     records = [json.loads(line) for line in (tmp_path / "out" / "timeline.jsonl").read_text().splitlines()]
