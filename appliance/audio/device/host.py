@@ -73,13 +73,16 @@ class _Stream:
     21 ms of the microphone at the median, 35 ms at p95 and 36 ms at most after a block, the variable-rate one
     12.5 ms (17.8 at most, with 1024- and 512-sample blocks), with the same passband (flat to 7.5 kHz, under
     -110 dB from 9 kHz) and 2 samples (0.125 ms) more delay. Every barge-in is heard that much sooner. The
-    cost: 0.19 % of one core per 48 kHz stream against 0.04 %.
+    cost: 0.19 % of one core per 48 kHz stream against 0.04 %. Where the device's rate is a multiple of 16 kHz
+    (48 kHz on most USB and HAT cards), :class:`Decimator` takes its place and holds back nothing.
     """
 
     def __init__(self, src: int, dst: int, low_latency: bool = False):
         self.src, self.dst = src, dst
         self._rs = None
-        if src != dst:
+        if src != dst and low_latency and src % dst == 0:
+            self._rs = Decimator(src, dst)
+        elif src != dst:
             import soxr
 
             self._rs = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ", vr=low_latency)
@@ -87,12 +90,59 @@ class _Stream:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self._rs is None:
             return x
+        if isinstance(self._rs, Decimator):
+            return self._rs(x)
         return self._rs.resample_chunk(x)
+
+
+DECIMATOR_PASS = 0.4375  # the capture decimator's passband edge, as a fraction of the output rate (7 kHz at 16 kHz)
+DECIMATOR_STOP_DB = 100.0  # ... its attenuation from the output's Nyquist frequency (8 kHz) up, dB
+DECIMATOR_RIPPLE_DB = 0.5  # ... and its passband ripple, dB
+
+
+class Decimator:
+    """Streaming downsampler by an integer ratio (48 -> 16 kHz: 3) for the capture path: a causal elliptic
+    low-pass (``scipy.signal.ellipord`` / ``ellip``, second-order sections run by ``sosfilt`` with their state
+    carried from block to block), then every ``src // dst``-th sample, counted from the stream's first. float32
+    mono in, float32 mono out, any block length; ``len(out)`` is the number of multiples of the ratio in the
+    block's sample indices.
+
+    Why not soxr here (measured here, 48 -> 16 kHz): soxr compensates its filter's delay by holding output back,
+    12.5 ms with its variable-rate engine and 21-36 ms with the fixed-rate one, and that delay is in every
+    barge-in. This filter (order 12: flat within ``DECIMATOR_RIPPLE_DB`` to 7 kHz, ``DECIMATOR_STOP_DB`` down
+    from 8 kHz, so nothing aliases into the band) holds nothing back; its group delay is 0.14-0.3 ms under 5 kHz
+    (0.75 ms at 6.5 kHz). Its phase is not linear, but the microphone and the far end pass through the same
+    filter (:class:`FarEnd`), so the echo path the canceller models is the room's alone.
+
+    :param src: input rate, Hz; :param dst: output rate, Hz (``src`` a multiple of it).
+    :raises ValueError: ``src`` is not a multiple of ``dst``.
+    """
+
+    def __init__(self, src: int, dst: int):
+        from scipy import signal
+
+        if src % dst or src <= dst:
+            raise ValueError(f"Decimator: {src} Hz is not a multiple of {dst} Hz")
+        self.ratio = src // dst
+        order, wn = signal.ellipord(DECIMATOR_PASS * dst, dst / 2, DECIMATOR_RIPPLE_DB, DECIMATOR_STOP_DB, fs=src)
+        self._sos = signal.ellip(order, DECIMATOR_RIPPLE_DB, DECIMATOR_STOP_DB, wn, fs=src, output="sos")
+        self._zi = np.zeros((len(self._sos), 2))
+        self._sosfilt = signal.sosfilt
+        self._phase = 0  # the index, in the next block, of its first sample kept
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if not len(x):
+            return np.zeros(0, dtype=np.float32)
+        y, self._zi = self._sosfilt(self._sos, x, zi=self._zi)
+        out = y[self._phase::self.ratio].astype(np.float32)
+        self._phase = (self._phase - len(x)) % self.ratio
+        return out
 
 
 def capture_stream(rate: int) -> _Stream:
     """The capture path's resampler from a device's ``rate`` (Hz) to 16 kHz: the microphone's and its far end's
-    (the same kind, so the two stay in step sample for sample); soxr's low-latency engine (see :class:`_Stream`)."""
+    (the same kind, so the two stay in step sample for sample): :class:`Decimator` where ``rate`` is a multiple of
+    16 kHz, else soxr's low-latency engine (see :class:`_Stream`)."""
     return _Stream(rate, MODEL_RATE, low_latency=True)
 
 
