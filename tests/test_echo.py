@@ -611,6 +611,65 @@ def test_no_hand_over_to_a_speex_that_has_not_converged_within_the_deadline(far_
     assert run(mic).handovers == 1  # the same stream, no deadline: Speex learnt the echo and took over
 
 
+@pytest.mark.parametrize("rel_db", [0.0, 6.0])
+def test_a_user_who_barges_in_early_in_every_reply_does_not_keep_the_stand_in(parts, rel_db):
+    """Closed loop, as a new owner trying the barge-in: 0.6 s into each of 10 replies the user says "Wait, I want
+    to ask something else." and the reply stops 60 ms after the onset the gate passed (the pause). Each reply
+    gives Speex under a second of far end, a third of it over the user's voice. The onsets the gate passes are
+    kept out of the band floors that decide the hand-over (as out of the gate's own), so Speex takes over within
+    the 10 (measured here: at the 6th or 7th, echo -6 to +6 dB re the user); with the user's speech in those
+    floors it never did (floors -14 to -5 dB after 30 such replies), and the deadline then left the stand-in
+    serving for good. The echo ``rel_db`` over the user's level (``USER_DBFS``), 30 ms + RT60 150 ms."""
+    pytest.importorskip("livekit", reason="the stand-in is WebRTC AEC3 (livekit)")
+    from appliance.audio.room import RoomSpec, Scenario, SimulatedRoom
+    from appliance.bench.interruption import USER_DBFS, active_dbfs, at_level
+
+    replies = [fixed_speech(parts.tts, t) for t in (
+        "A rainbow is an arc of colours in the sky, made by sunlight shining through drops of rain.",
+        "Hello there. I am happy to help you with questions about science, history, or anything else you like.")]
+    user = at_level(fixed_speech(parts.tts, "Wait, I want to ask something else."), USER_DBFS)
+    user_on = int(np.flatnonzero(np.abs(user) > 10 ** (-40 / 20))[0]) // FRAME
+    at, stop_frames, gap_frames = 60, 6, 150  # 0.6 s into the reply, the pause 60 ms after the onset, 1.5 s
+    cfg = Config()
+    ec = from_config(cfg)
+    assert ec.backend == "speex"
+    seg = VadSegmenter(SileroVad())
+    seg.configure(cfg.vad, cfg.interruption)
+    seg.use_gate(ec.near_end_present, ec.near_end_clear)
+    seg.follow(interjecting=False, both_streams=True, skip_floor=False)
+    st = dict(k=0, i=0, stop=None, heard=[], early=0)  # reply, its frame, where its far end stops; onsets heard
+
+    def read(n):
+        r = replies[st["k"] % 2]
+        i = st["i"]
+        playing = (i + 1) * FRAME <= len(r) and (st["stop"] is None or i < st["stop"])
+        return r[i * FRAME:(i + 1) * FRAME] if playing else np.zeros(n, np.float32)
+
+    def capture(mic, far):
+        i = st["i"] - at
+        if 0 <= i < len(user) // FRAME:
+            mic = mic + user[i * FRAME:(i + 1) * FRAME]
+        for ev in seg.push(ec.process(mic, far)):
+            if ev.kind != "onset" or st["stop"] is not None:
+                continue
+            if i < user_on - 5:
+                st["early"] += 1  # our own echo
+            else:
+                st["heard"].append(st["k"])
+                st["stop"] = st["i"] + stop_frames
+
+    spec = RoomSpec(echo_gain_db=USER_DBFS + rel_db - active_dbfs(replies[0]), echo_delay_ms=30.0,
+                    impulse_response=synthetic_ir(150.0))
+    room = SimulatedRoom(Scenario([], spec), read, capture, on_event=lambda r: None, paced=False)
+    for k in range(10):
+        st.update(k=k, i=0, stop=None)
+        for _ in range(at + len(user) // FRAME + gap_frames):
+            room.tick()
+            st["i"] += 1
+    assert st["heard"] == list(range(10)) and st["early"] == 0, st  # every reply interrupted, by the user only
+    assert ec.handovers == 1 and ec.warm, [None if f is None else round(f, 1) for f in ec.band_floors_db()]
+
+
 def test_a_band_with_no_echo_is_not_cold():
     """No echo path (headphones, the demo's room): a band whose microphone stays 40 dB under the far end has
     nothing to converge on, so it does not hold the gate shut (the user could never barge in otherwise)."""

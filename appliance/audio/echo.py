@@ -189,7 +189,9 @@ HANDOVER_DEADLINE_FAR_FRAMES = 2000  # ... and only within this many far-active 
 #   simulated rooms' Speex converged within 3.4-5.4 s of far end; on the JACK room's drifting, clipping speaker it
 #   had not after 300 s (its high band's floor -8 dB), and then looked converged for 0.7 s at a +6 dB volume step,
 #   took over and paused 47 of the next 50 replies (session 17). A path Speex has not learnt by then is one it
-#   cannot model: the stand-in serves on, until the next new echo path (a device reopened, a reload).
+#   cannot model: the stand-in serves on, until the next new echo path (a device reopened, a reload). Counted
+#   over the far-active frames that stayed in the floors: those of a user's onset, which the gate passed, do not
+#   count (_keep_onset_out), so an owner who barges in on every early reply does not use it up.
 _HANN = np.hanning(FRAME).astype(np.float32)
 _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 N_BANDS = len(BAND_EDGES_HZ) - 1
@@ -407,6 +409,7 @@ class EchoCanceller:
         self._lt_band_in: list[list[float]] = [[] for _ in range(N_BANDS)]
         self._lt_band_out: list[list[float]] = [[] for _ in range(N_BANDS)]
         self._lt_band_far: list[list[float]] = [[] for _ in range(N_BANDS)]
+        self._lt_band_new = np.zeros(N_BANDS, dtype=int)  # per band: frames its floor took since the gate last passed
         self.gate_log: list[GateRow] = []  # if record
         self.clear_log: list[GateRow] = []  # the same for near_end_clear (passed = both tests), if record
         self.cold_log: list[tuple] = []  # (frame, expected residual dB) of the cold windows the gate refused, if record
@@ -414,6 +417,7 @@ class EchoCanceller:
         self._floor_hold_until = 0  # frames before this one stay out of the floors (see _keep_onset_out)
         self._lt_new = 0  # far-end frames the floors took since the gate last passed (see _keep_onset_out)
         self._far_frames = 0  # far-active frames processed (as the floors count them)
+        self._deadline_far = 0  # ... less those a passed onset took back out of the floors (the hand-over's deadline)
         self._handover_far = 0  # ... at the hand-over
         self._converged_far: Optional[int] = None  # ... when converged() last became true (None: it is not)
         # Idle (the far end digital silence in every frame kept): the microphone's and the output's bands are
@@ -569,6 +573,7 @@ class EchoCanceller:
                 self._lt_hb_out.append(self._hb_out[-1])
                 self._lt_new += 1
                 self._far_frames += 1
+                self._deadline_far += 1
             if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
                 self._reply_far += 1
             self._follow_tail(float(e_in[i]), float(e_far[i]), b_in[i])
@@ -578,12 +583,13 @@ class EchoCanceller:
                 self._predict_echo(o_in[i], o_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
-            if far_silent:
-                continue  # no band played
+            if far_silent or self.frames + i < self._floor_hold_until:
+                continue  # no band played, or the user's onset is still held out (_keep_onset_out)
             for b in np.nonzero(b_far[i] >= FAR_BAND_ACTIVE * FRAME)[0]:
                 self._lt_band_in[b].append(float(b_in[i, b]))
                 self._lt_band_out[b].append(float(b_out[i, b]))
                 self._lt_band_far[b].append(float(b_far[i, b]))
+                self._lt_band_new[b] += 1
                 grew = True
         for buf in (self._ratio_in, self._ratio_out, self._ratio_far, self._hb_in, self._hb_out, self._band_in,
                     self._band_far):
@@ -805,15 +811,15 @@ class EchoCanceller:
 
     def _update_mode(self, n: int, grew: bool = True) -> None:
         """Hand over from the stand-in to Speex once :meth:`converged` has held through ``HANDOVER_FAR_FRAMES``
-        far-active frames in a row, begun within the first ``HANDOVER_DEADLINE_FAR_FRAMES`` (from this call's frames
-        on: :attr:`handover_frame`), for good: from then on the
-        converged onset gate keeps Speex's residual out. (Not back: a user talking over the reply raises
+        far-active frames in a row, begun within the first ``HANDOVER_DEADLINE_FAR_FRAMES`` kept in the floors
+        (from this call's frames on: :attr:`handover_frame`), for good: from then on the converged onset gate
+        keeps Speex's residual out. (Not back: a user talking over the reply raises
         the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
         measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
         floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if grew and self._far_frames <= HANDOVER_DEADLINE_FAR_FRAMES + HANDOVER_FAR_FRAMES:
+        if grew and self._deadline_far <= HANDOVER_DEADLINE_FAR_FRAMES + HANDOVER_FAR_FRAMES:
             if not self.converged():
                 self._converged_far = None
             elif self._converged_far is None:
@@ -1156,14 +1162,17 @@ class EchoCanceller:
             if tail is not None:
                 self._trace_gate("tail", tail)
                 return tail
-            if self.trace is None:
-                return (self._stand_in.near_end_present(n) and not self._echo_explained()) or self.over_echo()
-            aec3, explained, over = self._stand_in.near_end_present(n), self._echo_explained(), self.over_echo()
-            r = self._stand_in.near_end_ratio_db(n)
-            self._trace_gate("stand_in", (aec3 and not explained) or over, aec3=aec3, explained=explained,
-                             over_echo=over, ratio_db=r, threshold_db=self._stand_in.gate_threshold_db(),
-                             too_quiet=self._stand_in._too_quiet(n))
-            return (aec3 and not explained) or over
+            aec3 = self._stand_in.near_end_present(n)
+            explained = aec3 and self._echo_explained()
+            over = self.over_echo()
+            passed = (aec3 and not explained) or over
+            if passed:
+                self._keep_onset_out()  # (Speex learns on: its floors decide the hand-over)
+            if self.trace is not None:
+                self._trace_gate("stand_in", passed, aec3=aec3, explained=explained, over_echo=over,
+                                 ratio_db=self._stand_in.near_end_ratio_db(n),
+                                 threshold_db=self._stand_in.gate_threshold_db(), too_quiet=self._stand_in._too_quiet(n))
+            return passed
         t = self._band_tests(n)
         if t is None:
             self._trace_gate("tail" if tail is not None else "no_echo", True if tail is None else tail)
@@ -1350,8 +1359,9 @@ class EchoCanceller:
     def _keep_onset_out(self) -> None:
         """The gate has just taken the last window for the user: take the newest ``FLOOR_LAG_FRAMES`` of
         far-end frames (the frames the floors have not used yet, where the user's onset is) out of the
-        broadband and high-band floors, and keep the next ``FLOOR_HOLD_FRAMES`` out too (the reply plays
-        on until the pause takes hold).
+        broadband and high-band floors and the bands' (whose floors decide the hand-over), and keep the next
+        ``FLOOR_HOLD_FRAMES`` out too (the reply plays on until the pause takes hold); they no longer count
+        towards the hand-over's deadline either. Whoever serves: while the stand-in does, Speex learns on.
 
         Why: the lag keeps a user's onset out of the floor only for 300 ms. Then it entered the floors and
         stayed there for the next 2 s of far end, that is into the next reply: measured here, offline, on
@@ -1359,12 +1369,26 @@ class EchoCanceller:
         high-band floor that the previous barge-in's "s" or "st" left put the high-band test's threshold
         above ``HB_MAX_DB`` (the test off) in nearly every case, and with it the early onsets, so that
         "Stop." waited for Silero's vowel (146–186 ms). A false pass only costs the floors 300 ms of
-        history. (The floors then leave out those frames' echo as well: they move by a dB or two.)"""
+        history. (The floors then leave out those frames' echo as well: they move by a dB or two.)
+
+        The bands' floors, while the stand-in serves (measured here, offline, closed loop: a user barging in
+        0.6 s into each reply, which stopped 60 ms after the pass, echo -6 to +6 dB re the user, the simulated
+        room): with the user's speech in them, Speex never showed convergence (floors -14 to -5 dB after 30
+        such replies, 20 s of far end: the deadline then kept the stand-in for good); without it, Speex took
+        over at the 6th or 7th reply, and the barge-ins after it were heard 30-60 ms after the onset against
+        110-240 before."""
         k = min(self._lt_new, FLOOR_LAG_FRAMES, len(self._lt_in))  # (a pass right after a pass: only the new ones)
         if k:
             for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out):
                 del buf[-k:]
+            self._deadline_far -= k
+        for b in range(N_BANDS):
+            kb = min(int(self._lt_band_new[b]), FLOOR_LAG_FRAMES, len(self._lt_band_in[b]))
+            if kb:
+                for buf in (self._lt_band_in[b], self._lt_band_out[b], self._lt_band_far[b]):
+                    del buf[-kb:]
         self._lt_new = 0
+        self._lt_band_new[:] = 0
         self._floor_hold_until = self.frames + FLOOR_HOLD_FRAMES
 
     def _band_tests(self, n: int) -> Optional[tuple]:

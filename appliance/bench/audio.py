@@ -11,6 +11,7 @@ from ..audio.echo import FRAME
 from ..audio.files import resample
 from ..audio.room import RoomSpec, Scenario, SimulatedRoom, synthetic_ir
 from ..speech import HEADROOM
+from ..vad import SileroVad, VadSegmenter
 from .interruption import ECHO_DELAY_MS, RT60_MS  # the interruption bench's rooms: the echo's delay and RT60, ms
 
 RATE = 16000  # Hz, every signal here
@@ -60,3 +61,15 @@ def clipping_room(far: np.ndarray, gain_db: float = 0.0, drift_ppm: float = 300.
     mic = np.convolve(y, synthetic_ir(RT60_MS))[: len(far)] * 10 ** (gain_db / 20)
     noise = 10 ** (noise_dbfs / 20) * np.random.default_rng(seed).standard_normal(len(far))
     return (mic + noise).astype(np.float32)
+
+
+def replying_segmenter(cfg, echo) -> VadSegmenter:
+    """The listener's VAD segmenter as it runs while a reply plays (not interjecting, both Silero streams, no
+    skipping at the noise floor: :meth:`appliance.pipeline.Listener`'s ``follow`` then), configured from ``cfg``'s
+    ``vad`` and ``interruption`` sections and gated by ``echo``'s onset tests (an
+    :class:`~appliance.audio.echo.EchoCanceller`): for offline replays of the canceller and the VAD together."""
+    seg = VadSegmenter(SileroVad())
+    seg.configure(cfg.vad, cfg.interruption)
+    seg.use_gate(echo.near_end_present, echo.near_end_clear)
+    seg.follow(interjecting=False, both_streams=True, skip_floor=False)
+    return seg
