@@ -178,8 +178,11 @@ def test_barge_in_through_the_service_on_real_streams(running):
     assert 0.0 < out.barge["output_silent_ms"] <= BARGE_IN_MAX_MS, out.barge
     assert out.flushed, [r["event"] for r in out.records]
     # Where the latency went, from the service's own audio clock: the parts add up to what the room measured.
+    # (input_ms is the truth within one JACK period, the clock mapping's error: since the capture path holds back
+    #   nothing, its true value is a few ms, and it can come out under 0)
     split = out.barge["split"]
-    assert split is not None and 0.0 < split["vad_ms"] and 0.0 < split["input_ms"] < split["listener_ms"] + 1.0
+    period_ms = 1000.0 * 1024 / 48000
+    assert split is not None and 0.0 < split["vad_ms"] and -period_ms < split["input_ms"] < split["listener_ms"] + 1.0
     assert abs(split["vad_ms"] + split["listener_ms"] + split["output_ms"] - out.barge["output_silent_ms"]) < 0.5
     # What the listener did in between, from the trace beside its tap (the bench's barge_in_cases): its last
     # Silero window is the one that fired (at the split's vad_ms, scored at least the early onsets' 0.2), and

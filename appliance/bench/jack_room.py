@@ -75,8 +75,9 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
+from ..audio.device.host import capture_stream
 from ..audio.echo import FRAME
-from ..audio.files import MODEL_RATE, resample
+from ..audio.files import MODEL_RATE
 from ..audio.jack_room import SILENT_PEAK, JackRoom
 from ..audio.room import synthetic_ir
 from ..audio.tap import ENV as TAP_ENV, read_tap, read_trace
@@ -351,7 +352,9 @@ class ServiceTap:
         most a few seconds); kept if the normalised correlation peak is above 0.9. The first call searches the whole
         tap (call it on the first sound the service heard: the scenarios repeat their question); later calls look
         within 0.5 s of where the known offset puts it (a check: :attr:`offsets`). :returns: the offset."""
-        ref = resample(room.said(f0, f1), self.rate, MODEL_RATE)
+        # (through the service's own capture path to 16 kHz, so that the reference has the tap's filter: the
+        #   decimator's phase is not linear)
+        ref = capture_stream(self.rate)(room.said(f0, f1))
         base = 0
         if self.offset is not None:  # the same question every case: look only near where it must be
             base = max(0, self.sample_of(f0) - MODEL_RATE // 2)
@@ -567,7 +570,7 @@ def tap_split(recs: list[dict], barge: dict, room: JackRoom, tap: ServiceTap) ->
     - ``vad_ms``: the user's onset to the end of the VAD window that fired, on the service's audio clock placed
       on the room's (:class:`ServiceTap`): the algorithm, as the simulated room's ``vad_ms``;
     - ``input_ms``: that window's last sample written to the microphone to the ``vad_onset`` record: the input
-      path (JACK's period, PortAudio's blocks, the worker, the socket, the 48 → 16 kHz resampler's bursts, the
+      path (JACK's period, PortAudio's blocks, the worker, the socket, the 48 → 16 kHz decimator, the
       listener's queue and its canceller and VAD): ± one JACK period (the clock mapping);
     - ``listener_ms``: the window's end to the pause, as the simulated room's (``input_ms`` and the decision);
     - ``output_ms``: the pause to the output's silence as the room heard it (the fade, the worker's and

@@ -114,13 +114,24 @@ class Decimator:
     (0.75 ms at 6.5 kHz). Its phase is not linear, but the microphone and the far end pass through the same
     filter (:class:`FarEnd`), so the echo path the canceller models is the room's alone.
 
+    The cost of scipy: ``scipy.signal``'s import took 0.69 s and 74 MB of memory here, once a process.
+    :class:`DeviceAudio` imports it before a worker runs (:meth:`preload`): imported in the reader as it started,
+    the worker's socket overflowed meanwhile, and a question asked at once lost its first 130 ms (measured here,
+    the JACK room's test).
+
     :param src: input rate, Hz; :param dst: output rate, Hz (``src`` a multiple of it).
     :raises ValueError: ``src`` is not a multiple of ``dst``.
     """
 
-    def __init__(self, src: int, dst: int):
+    @staticmethod
+    def preload():
+        """Import ``scipy.signal`` now (0.7 s here), not when the first device opens. :returns: the module."""
         from scipy import signal
 
+        return signal
+
+    def __init__(self, src: int, dst: int):
+        signal = self.preload()
         if src % dst or src <= dst:
             raise ValueError(f"Decimator: {src} Hz is not a multiple of {dst} Hz")
         self.ratio = src // dst
@@ -288,6 +299,7 @@ class DeviceAudio(AudioPort):
         self._attentive = False  # the VAD hears speech: the worker batches fewer input blocks (kept likewise)
         self._drop_fifo = False
         self.far_end: Optional[FarEnd] = None  # the open worker's far-end pairing (its counters)
+        Decimator.preload()  # (before any worker runs: see Decimator)
 
     # --- public ---
     @property
