@@ -79,9 +79,11 @@ def test_the_latency_split_adds_up_to_the_barge_ins_latency():
 
 
 def test_the_tap_is_placed_on_the_rooms_clock_by_its_waveform_even_when_the_question_repeats(tmp_path):
-    """The room wrote the same question twice (as every scenario does); the tap's sample 0 is room frame 30000.
-    The first alignment finds it from the first question; a later one, made on the second question, must find
-    the same offset (searching the whole tap would match the first question again)."""
+    """The room wrote the same question twice (as every scenario does); the tap's sample 0 is room frame 30000,
+    and its microphone is what the service's capture path made of the room's (48 -> 16 kHz). The first alignment
+    finds it from the first question; a later one, made on the second question, must find the same offset
+    (searching the whole tap would match the first question again)."""
+    from appliance.audio.device.host import capture_stream
     from appliance.audio.files import resample
     from appliance.bench.jack_room import ServiceTap
 
@@ -94,8 +96,9 @@ def test_the_tap_is_placed_on_the_rooms_clock_by_its_waveform_even_when_the_ques
     offset = 30000
     mouth = np.concatenate([np.zeros(offset, np.float32), resample(mic16, 16000, 48000)])
     room = SimpleNamespace(said=lambda f0, f1: mouth[f0:f1])
+    heard = capture_stream(48000)(mouth[offset:])
     with open(tmp_path / "tap.f32", "wb") as fh:
-        fh.write(np.stack([mic16, np.zeros_like(mic16), mic16], axis=1).tobytes())
+        fh.write(np.stack([heard, np.zeros_like(heard), heard], axis=1).tobytes())
     tap = ServiceTap(tmp_path / "tap.f32", 48000)
     first = offset + 16000 * 3
     assert abs(tap.align(room, first, first + 24000) - offset) <= 3
