@@ -1166,8 +1166,10 @@ class EchoCanceller:
             explained = aec3 and self._echo_explained()
             over = self.over_echo()
             passed = (aec3 and not explained) or over
-            if passed:
-                self._keep_onset_out()  # (Speex learns on: its floors decide the hand-over)
+            if passed and self._far_energy_recent(n + self._tail) >= 1e-7:
+                # (a user over our echo: Speex learns on, and its floors decide the hand-over; not while the far end
+                #   is silent, where AEC3's gate passes every window and there is no onset in the floors to take out)
+                self._keep_onset_out()
             if self.trace is not None:
                 self._trace_gate("stand_in", passed, aec3=aec3, explained=explained, over_echo=over,
                                  ratio_db=self._stand_in.near_end_ratio_db(n),

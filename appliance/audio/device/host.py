@@ -90,8 +90,6 @@ class _Stream:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self._rs is None:
             return x
-        if isinstance(self._rs, Decimator):
-            return self._rs(x)
         return self._rs.resample_chunk(x)
 
 
@@ -148,6 +146,8 @@ class Decimator:
         out = y[self._phase::self.ratio].astype(np.float32)
         self._phase = (self._phase - len(x)) % self.ratio
         return out
+
+    resample_chunk = __call__  # (soxr.ResampleStream's name for it: _Stream holds either)
 
 
 def capture_stream(rate: int) -> _Stream:
