@@ -7,7 +7,7 @@ import pytest
 from appliance.audio.echo import FRAME, OVER_DB, EchoCanceller, erle_db, from_config, stream_delay_ms
 from appliance.audio.files import load_audio
 from appliance.audio.room import synthetic_ir
-from appliance.bench.audio import clipping_room, fixed_speech, through_room
+from appliance.bench.audio import clipping_room, fixed_speech, replying_segmenter, through_room
 from appliance.config import Config
 from appliance.vad import SileroVad, VadSegmenter
 from appliance.errors import UserError
@@ -633,10 +633,7 @@ def test_a_user_who_barges_in_early_in_every_reply_does_not_keep_the_stand_in(pa
     cfg = Config()
     ec = from_config(cfg)
     assert ec.backend == "speex"
-    seg = VadSegmenter(SileroVad())
-    seg.configure(cfg.vad, cfg.interruption)
-    seg.use_gate(ec.near_end_present, ec.near_end_clear)
-    seg.follow(interjecting=False, both_streams=True, skip_floor=False)
+    seg = replying_segmenter(cfg, ec)
     st = dict(k=0, i=0, stop=None, heard=[], early=0)  # reply, its frame, where its far end stops; onsets heard
 
     def read(n):

@@ -1166,7 +1166,7 @@ class EchoCanceller:
             explained = aec3 and self._echo_explained()
             over = self.over_echo()
             passed = (aec3 and not explained) or over
-            if passed and self._far_energy_recent(n + self._tail) >= 1e-7:
+            if passed and self._echo_recent(n):
                 # (a user over our echo: Speex learns on, and its floors decide the hand-over; not while the far end
                 #   is silent, where AEC3's gate passes every window and there is no onset in the floors to take out)
                 self._keep_onset_out()
@@ -1398,7 +1398,7 @@ class EchoCanceller:
         ratio or None, its threshold, high-band level or None, whether the high-band test passes), dB;
         None before any frame, or when the far end has been silent for the echo tail and the window (no
         echo to tell the user from)."""
-        if self._far_energy_recent(n + self._tail) < 1e-7:
+        if not self._echo_recent(n):
             return None
         r = self.near_end_ratio_db(n)
         if r is None:
@@ -1416,6 +1416,10 @@ class EchoCanceller:
         rnd = lambda x: None if x is None else round(float(x), 1)  # noqa: E731
         return GateRow(self.frames, rnd(r), rnd(threshold), passed, rnd(hb), rnd(hb_threshold), rnd(level),
                        rnd(self.level_db(LEVEL_SAMPLES)), rnd(strong))
+
+    def _echo_recent(self, n: int) -> bool:
+        """The far end played within the echo tail and the last ``n`` samples: there is an echo to tell a user from."""
+        return self._far_energy_recent(n + self._tail) >= 1e-7
 
     def _far_energy_recent(self, n: int) -> float:
         """Mean far-end power per sample over the last ``n`` samples (at most the 64 frames kept)."""
