@@ -123,6 +123,34 @@ def test_worker_ring_flags_late_and_grows_its_target():
     assert flags & p.Flag.LATE and ring.target == 480
 
 
+def test_worker_ring_holds_a_whole_fade_so_a_pause_is_never_cut_short():
+    """A 50 ms fade at 48 kHz with 10 ms blocks: the ring asks for the fade in whole blocks and one more
+    (2880 samples, not the 2-block 960), and a pause of a steady supply fades over all 2400 samples. A fade
+    raised while running (a config reload) raises the target at once. (CI, session 18: a 50 ms fade heard
+    as 33 ms, the ring holding 30 ms.)"""
+    block, fade = 480, 2400
+    ring = OutputRing(block=block, fade_n=fade)
+    assert ring.prime() == 2880
+    ring.receive(0, np.ones(2880, np.float32))
+    out = np.zeros(block, np.float32)
+    for _ in range(7):  # steady supply: every request answered before the next callback
+        want, _, _ = ring.fill(out, block)
+        ring.receive(0, np.ones(want, np.float32))
+    ring.control(p.Kind.PAUSE)
+    heard = []
+    silent = False
+    while not silent:
+        _, _, silent = ring.fill(out, block)
+        heard.append(out.copy())
+    faded = np.concatenate(heard)
+    assert np.count_nonzero(faded) == fade and np.all(np.diff(faded[:fade]) < 0)
+
+    small = OutputRing(block=block, fade_n=96)
+    assert small.prime() == 2 * block
+    small.set_fade(fade)
+    assert small.target == 2880 and small.fader.fade_samples == fade
+
+
 def test_far_end_is_what_played_paired_by_count_whatever_the_callback_order():
     """The far end handed with each microphone block is the played samples, `lead` samples later, however
     the output callbacks' samples arrive (a block early, a block late, two at once): the pairing only

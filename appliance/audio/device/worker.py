@@ -8,8 +8,8 @@ hard (``os._exit``) so that no PortAudio teardown can hang or crash on a dead de
   the previous block (the far end, exactly as the card got it); a full socket drops the block (the next
   ``INPUT`` says how many frames were lost, and carries the played samples kept meanwhile).
 - output callback: read ``frames`` samples from the ring (silence, flagged ``LATE``, when it ran dry while
-  playing), then ask for as many samples as keep the ring at its target: 2 blocks to start, one more after
-  each late block, up to 8.
+  playing), then ask for as many samples as keep the ring at its target: 2 blocks to start (more when the
+  fade is longer: the fade and one block), one more after each late block, up to 8.
 - idle (the service has sent only digital silence for ``IDLE_AFTER_S``, and the ring plays): the ring asks
   for nothing at all; it plays out what it holds, then silence by itself (not counted late: the far end
   carries it as played, as always), until the service sends ``WAKE`` (its playback buffer got a segment,
@@ -186,7 +186,9 @@ class OutputRing:
     All methods run under :attr:`lock` (the output callback and the control loop share it).
 
     :param block: the output block, samples at the device's rate.
-    :param fade_n: the fade, samples at the device's rate.
+    :param fade_n: the fade, samples at the device's rate. The ring's target never drops under the fade and
+        one block (:meth:`set_fade`): a pause fades what the ring holds, and a ring holding less than the
+        fade would cut the fade short (measured here: a 50 ms fade heard as 33 ms with 30 ms held).
     :param idle_after: samples of digital silence received after which the output is idle (:attr:`idle`);
         0: never idle.
     """
@@ -195,13 +197,20 @@ class OutputRing:
         self.lock = threading.Lock()
         self.fader = Fader(fade_n)
         self.block = block
-        self.target = RING_MIN_BLOCKS * block  # samples the ring should hold
+        self.target = 0  # samples the ring should hold: set_fade
+        self.set_fade(fade_n)
         self.requested = 0  # samples asked for and not yet received
         self.generation = 0  # +1 per flush: DATA of an older generation is stale
         self.callbacks = 0
         self.idle_after = idle_after
         self.zeros = 0  # samples of digital silence received since the last non-zero sample
         self.slept = False  # the ring has asked for nothing while idle since the last samples received
+
+    def set_fade(self, fade_n: int) -> None:
+        """The fade from the next pause, resume or flush on, samples; the target rises to hold it."""
+        self.fader.set_fade(fade_n)
+        self.floor = max(RING_MIN_BLOCKS, -(-max(1, int(fade_n)) // self.block) + 1) * self.block
+        self.target = max(self.target, self.floor)
 
     @property
     def idle(self) -> bool:
@@ -230,7 +239,7 @@ class OutputRing:
         _, res = self.fader.read(frames, out)
         if res.short and self.callbacks > 1 and not self.slept:
             flags |= p.Flag.LATE
-            self.target = min(RING_MAX_BLOCKS * self.block, self.target + self.block)
+            self.target = min(max(RING_MAX_BLOCKS * self.block, self.floor), self.target + self.block)
         want = 0
         if self.fader.state is FadeState.PLAYING:
             if self.idle:
@@ -431,7 +440,7 @@ def run(fd: int, params: dict) -> int:
                 fade_ms = p.unpack_json(msg).get("fade_ms")
                 if fade_ms is not None:
                     with ring.lock:
-                        ring.fader.set_fade(fade_samples(out_rate, float(fade_ms)))
+                        ring.set_fade(fade_samples(out_rate, float(fade_ms)))
         now = time.monotonic()
         last = last_cb[0]
         reason = None
