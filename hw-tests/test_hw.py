@@ -286,3 +286,56 @@ def test_a_persons_barge_in_through_the_pis_speaker_and_microphone():
         svc.stop()
     _write("barge_in.json", {"barge_ins": results})
     assert any(r["onset_to_playback_stopped_ms"] is not None for r in results), results
+
+
+def test_the_echo_delay_and_the_clock_drift_between_the_pis_speaker_and_microphone():
+    """The configured voice played for 40 s on ``audio.output`` and heard on ``audio.input`` (a quiet room, the
+    mic where it will live), through the audio worker as the service runs it; the echo's delay behind the far
+    end measured every 0.25 s from the two streams as the canceller pairs them (appliance.audio.delay), and how
+    fast it moves: the two devices' clock drift, which the simulated room does not have and the JACK room
+    only emulates (+-300 ppm there). Writes ``echo_delay.json`` (delay p5/p50/p95 ms, drift ppm over the run and
+    over 10 s spans, the measurement's scatter). Needs the mic to hear the speaker (20 windows or more)."""
+    out = echo_delay_run(load(CFG), seconds=40.0)
+    _write("echo_delay.json", out)
+    assert out["n"] >= 20, f"the microphone did not hear the speaker clearly enough to measure the delay: {out}"
+    assert out["residual_ms_rms"] is not None and out["residual_ms_rms"] < 0.5, out
+
+
+def echo_delay_run(cfg, seconds: float, rate: int = 48000) -> dict:
+    """Play the configured voice for ``seconds`` through :class:`appliance.audio.device.DeviceAudio` on
+    ``cfg.audio``'s devices and return :func:`appliance.audio.delay.delay_summary` of the echo's delay, with the
+    device and ``xruns`` (a plain function, so that it also runs on a JACK room off the Pi)."""
+    import soxr
+
+    from appliance.audio.delay import delay_summary, delay_track
+    from appliance.audio.device import DeviceAudio
+    from appliance.speech import Tts
+
+    tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
+    lines = ["A rainbow is an arc of colours in the sky, made by sunlight shining through drops of rain.",
+             "Hello there. I am happy to help you with questions about science, history, or anything else you like.",
+             "The moon is bright tonight, and the stars are out over the quiet hills."]
+    speech = [np.concatenate(list(tts.synthesize(t))) for t in lines]
+    gap = np.zeros(tts.sample_rate // 2, np.float32)
+    one = np.concatenate([x for s in speech for x in (s, gap)])
+    sig = soxr.resample(np.tile(one, int(np.ceil(seconds * tts.sample_rate / len(one)))), tts.sample_rate, rate)
+    pos = [0]
+    mic, far = [], []
+
+    def read(n):
+        x = sig[pos[0]:pos[0] + n]
+        pos[0] += n
+        return np.pad(x, (0, n - len(x))).astype(np.float32)
+
+    dev = DeviceAudio(cfg.audio.input, cfg.audio.output, cfg.audio.output_block_ms, rate, idle=False)
+    dev.start(read, lambda m, f: (mic.append(m.copy()), far.append(f.copy())))
+    try:
+        assert dev.wait_open(15), dev.last_error
+        info = dev.info
+        time.sleep(seconds)
+    finally:
+        dev.stop()
+    m, f = np.concatenate(mic), np.concatenate(far)
+    out = delay_summary(delay_track(m, f))
+    out.update({"seconds": round(len(m) / 16000, 1), "xruns": dev.xruns, "device": info.__dict__ if info else None})
+    return out

@@ -122,6 +122,60 @@ def test_the_far_end_reaches_the_capture_side_whole_and_in_step_at_48khz(server,
     assert first == last and 0 < first < 3200, (first, last)
 
 
+def test_the_echo_delay_measured_on_real_streams_follows_the_rooms_clock_drift(server, monkeypatch, parts):
+    """The appliance's voice through the room at +300 ppm with the clipping speaker, on the audio worker's real
+    streams, paired as the canceller pairs them: the delay track (:func:`appliance.audio.delay.delay_track`)
+    moves at the rate the room's drift line moved over the same samples (``JackRoom.delay_rate_ppm``), within
+    30 ppm, and every window sits within 0.25 ms of the line through
+    its neighbours. The echo's delay is what no test saw before: the canceller never learns it."""
+    import soxr
+
+    from appliance.audio.delay import delay_summary, delay_track, drift_ppm
+    from appliance.audio.device import DeviceAudio
+    from appliance.audio.jack_room import JackRoom
+    from appliance.audio.room import synthetic_ir
+    from appliance.bench.audio import fixed_speech
+
+    monkeypatch.setenv("JACK_DEFAULT_SERVER", server.name)
+    room = JackRoom(f"drift{os.getpid()}", servername=server.name, echo_gain_db=0.0, drift_ppm=300.0,
+                    speaker="clip", impulse_response=synthetic_ir(150.0))
+    line = ("A rainbow is an arc of colours in the sky, made by sunlight shining through drops of rain, and each "
+            "drop splits the light like a small prism.")
+    voice = fixed_speech(parts.tts, line)
+    sig = soxr.resample(np.tile(np.concatenate([voice, np.zeros(4000, np.float32)]), 3), 16000, 48000)
+    pos = [0]
+    mic, far, marks = [], [], []
+
+    def pull(n):
+        x = sig[pos[0]:pos[0] + n]
+        pos[0] += n
+        return np.pad(x, (0, n - len(x))).astype(np.float32)
+
+    def heard(m, f):
+        if not mic:
+            marks.append(room.line_samples)  # the drift line's position at the first block
+        mic.append(m.copy())
+        far.append(f.copy())
+
+    dev = DeviceAudio(room.name, room.name, 10, 48000)
+    dev.start(pull, heard)
+    try:
+        assert dev.wait_open(20)
+        time.sleep(10.0)
+    finally:
+        dev.stop()
+        room.close()
+    m, f = np.concatenate(mic), np.concatenate(far)
+    pts = delay_track(m, f)
+    assert len(pts) >= 20, len(pts)
+    want = room.delay_rate_ppm(marks[0], marks[0] + 3 * len(m))  # 48 kHz line samples over the recording
+    got = drift_ppm(pts)
+    summary = delay_summary(pts, window_s=4.0)
+    print(f"measured here: drift {got:.1f} ppm (the room's line: {want:.1f}), {summary}")
+    assert got is not None and abs(got - want) < 30.0, (got, want)
+    assert summary["residual_ms_rms"] < 0.25, summary
+
+
 def _case(kind, label, audio, text, delay=0.6, echo_rel_db=0.0, echo_path=False):
     from appliance.bench.interruption import Case
 

@@ -273,6 +273,21 @@ class JackRoom:
         self.wander_ms = round(1000.0 * abs(self._line.amplitude) / rate, 2)
         self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
 
+    @property
+    def line_samples(self) -> int:
+        """Samples (at :attr:`rate`) the echo path's drift line has made so far: its position ``m``."""
+        return self._line._written
+
+    def delay_rate_ppm(self, m0: int, m1: int) -> float:
+        """The mean rate at which the echo's delay moved between the drift line's positions ``m0`` and ``m1``
+        (:attr:`line_samples`), ppm (+: the echo falls further behind; 0 without drift): the ground truth of
+        :func:`appliance.audio.delay.drift_ppm`. The delay is ``delay - A sin(2 pi m / P)`` (:class:`_DriftLine`)."""
+        line = self._line
+        if line.period is None or m1 == m0:
+            return 0.0 if line.period is None and line.ratio == 1.0 else -(line.ratio - 1.0) * 1e6
+        return float(-line.amplitude * (np.sin(2 * np.pi * m1 / line.period) - np.sin(2 * np.pi * m0 / line.period))
+                     / (m1 - m0) * 1e6)
+
     def set_echo(self, echo_gain_db: Optional[float]) -> None:
         """The echo's level from the next period on, dB (None: no echo path); the echo path's state stays."""
         with self._lock:

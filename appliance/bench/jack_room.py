@@ -677,6 +677,16 @@ def service_in_room(cfg: Config, server_name: str, rate: int, period: int, drift
         server.stop()
 
 
+def tap_echo_delay(tap: ServiceTap) -> dict:
+    """:func:`appliance.audio.delay.delay_summary` of the echo's delay over a run's whole tap (the listener's
+    microphone and its far end, paired as the canceller pairs them; replies only, users' speech refused by the
+    peak ratio), 10 s spans for ``drift_ppm_peak``."""
+    from ..audio.delay import delay_summary, delay_track
+
+    x = tap.read()
+    return delay_summary(delay_track(x[:, 0], x[:, 1])) if len(x) else delay_summary([])
+
+
 def write_summary(summary: dict, json_path: Optional[Path], print_line: Callable[[str], None]) -> None:
     """Print ``summary`` as JSON and write it to ``json_path`` (if given); numpy scalars as Python numbers."""
     text = json.dumps(summary, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x))
@@ -742,6 +752,9 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
                                 "trace": o.barge.get("trace")} for o in outcomes if o.barge],
             "tap": {"offset_frames": svc.tap.offsets[:1] + sorted(set(svc.tap.offsets[1:]) - set(svc.tap.offsets[:1])),
                     "correlation": svc.tap.peak},
+            # The echo's delay behind the far end on the service's own streams, and how fast it moved
+            # (appliance.audio.delay): the room's drift as the canceller met it.
+            "echo_delay": tap_echo_delay(svc.tap),
             "not_run": ["cold_barge_in", "next_reply"],
             "model": "tiny random-weight Gemma 4 test fixture (hears; nonsense replies spoken by Piper)",
             "config": {"echo_backend": cfg.echo.backend if cfg.echo.enabled else None,

@@ -1,0 +1,162 @@
+"""The echo's delay behind the far end, measured from the two streams themselves, and its drift.
+
+What it is for: on a real appliance the speaker and the microphone run on two crystals (a USB microphone and
+an I2S or USB speaker), a few hundred ppm apart, so the echo slides along the far end that the canceller pairs
+it with: 300 ppm is 0.3 ms a second, 18 ms a minute. Speex's linear filter cannot follow that (its floors stayed
+at -3.7 dB above 1 kHz on a linear speaker drifting 300 ppm, measured here, docs/measurements.md), and nothing
+in the service measures it. This module measures it, from audio alone: the simulated and JACK rooms' taps
+(``appliance bench interruption --room jack`` reports it), and the Pi's own speaker and microphone
+(``hw-tests/``). The canceller does not use it (yet): see docs/measurements.md, session 19.
+
+The method is the generalised cross-correlation with the phase transform (GCC-PHAT; Knapp & Carter, IEEE
+Trans. ASSP 24(4), 1976): the cross-spectrum of a window of the microphone and of the far end (the window and
+``max_lag`` samples before it), whitened to unit magnitude over ``band_hz``, back to the lag domain; its peak is
+the echo's direct path whatever the room's reverberation and the speaker's colouring, and a parabola through
+the peak and its two neighbours gives the fraction of a sample. Measured here on a JACK-room tap (+300 ppm,
+clipping speaker, 0.5 s windows every 0.25 s, 391 windows): 0.26 samples rms (16 µs at 16 kHz) around the room's
+own smooth wander.
+
+Units: samples at the streams' rate (16 kHz in the service) in, milliseconds and ppm out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+MODEL_RATE = 16000
+BAND_HZ = (300.0, 4000.0)  # the band the correlation is whitened over: speech, and what a small speaker plays
+MIN_PEAK_RATIO = 3.0  # a window whose peak is not this many times the largest value 8 lags or more away is
+#   refused (no echo in it, a user over it, or noise)
+PEAK_GUARD = 8  # lags either side of the peak that the ratio's "largest other value" does not look at
+ACTIVE_PEAK = 1e-4  # a far-end sample this loud or louder counts as played (about -80 dBFS)
+
+
+@dataclass
+class DelayPoint:
+    """One window's measurement: ``t_s`` the window's centre (s from the streams' start), ``delay_ms`` the echo's
+    delay behind the far end (ms), ``peak_ratio`` the correlation peak over the largest value away from it."""
+
+    t_s: float
+    delay_ms: float
+    peak_ratio: float
+
+
+def gcc_phat_delay(mic: np.ndarray, far: np.ndarray, max_lag: int, rate: int = MODEL_RATE,
+                   band_hz: tuple = BAND_HZ) -> Optional[tuple[float, float]]:
+    """The echo's delay in ``mic`` behind ``far``, by GCC-PHAT.
+
+    :param mic: float [w] the microphone's window.
+    :param far: float [max_lag + w] the far end over the same window and the ``max_lag`` samples before it
+        (``far[max_lag + k]`` was played at the instant of ``mic[k]``).
+    :param max_lag: the longest delay looked for, samples (the echo's path, the devices' buffers).
+    :returns: (delay, peak ratio): the delay in samples (fractional, 1 <= delay < max_lag - 1), the peak over the
+        largest value ``PEAK_GUARD`` lags or more from it; None where the far end or the microphone is digital
+        silence, or the peak lies at the search's edge.
+    :raises ValueError: ``far`` is not ``max_lag`` samples longer than ``mic``.
+    """
+    w = len(mic)
+    if len(far) != w + max_lag:
+        raise ValueError(f"far must hold max_lag + len(mic) = {w + max_lag} samples, not {len(far)}")
+    n = 1 << int(np.ceil(np.log2(len(far) + w)))
+    spec = np.fft.rfft(np.asarray(mic, np.float64), n) * np.conj(np.fft.rfft(np.asarray(far, np.float64), n))
+    freqs = np.fft.rfftfreq(n, 1.0 / rate)
+    spec[(freqs < band_hz[0]) | (freqs > band_hz[1])] = 0.0
+    mag = np.abs(spec)
+    if not np.any(mag > 0):
+        return None
+    cc = np.fft.irfft(spec / (mag + 1e-12 * mag.max()), n)
+    # mic[k] ~ far[max_lag + k - d]: the correlation of mic with far shifted by max_lag - d peaks, at index
+    # -(max_lag - d) of the circular result
+    r = cc[(np.arange(max_lag) - max_lag) % n]
+    i = int(np.argmax(r))
+    if not 0 < i < max_lag - 1:
+        return None
+    y0, y1, y2 = r[i - 1], r[i], r[i + 1]
+    den = y0 - 2.0 * y1 + y2
+    frac = 0.5 * (y0 - y2) / den if den < 0 else 0.0
+    away = np.concatenate([r[:max(0, i - PEAK_GUARD)], r[i + PEAK_GUARD + 1:]])
+    other = float(np.max(np.abs(away))) if len(away) else 0.0
+    return i + frac, float(y1 / other) if other > 0 else float("inf")
+
+
+def delay_track(mic: np.ndarray, far: np.ndarray, rate: int = MODEL_RATE, window_s: float = 0.5,
+                step_s: float = 0.25, max_lag_ms: float = 100.0, min_active: float = 0.6,
+                min_peak_ratio: float = MIN_PEAK_RATIO) -> list[DelayPoint]:
+    """The echo's delay behind the far end over two streams paired sample by sample (the canceller's own
+    pairing: the service's tap, or :class:`~appliance.audio.device.DeviceAudio`'s ``(mic, far)`` blocks).
+
+    :param mic: float32 [n] the microphone at ``rate`` Hz.
+    :param far: float32 [n] what was played, paired with ``mic`` sample by sample.
+    :param window_s: each measurement's window, s; ``step_s``: between windows, s.
+    :param max_lag_ms: the longest delay looked for, ms.
+    :param min_active: a window is measured only where at least this share of its far end (and of the
+        ``max_lag_ms`` before it) was played (a sample at or above ``ACTIVE_PEAK`` in its 10 ms).
+    :param min_peak_ratio: windows whose peak ratio is below this are left out (no echo, a user, noise).
+    :returns: one :class:`DelayPoint` a window kept, in time order.
+    """
+    mic = np.asarray(mic, np.float32).reshape(-1)
+    far = np.asarray(far, np.float32).reshape(-1)
+    n = min(len(mic), len(far))
+    w, step, lag = int(window_s * rate), max(1, int(step_s * rate)), int(max_lag_ms * rate / 1000.0)
+    hop = max(1, rate // 100)
+    frames = n // hop
+    played = np.abs(far[:frames * hop]).reshape(frames, hop).max(axis=1) >= ACTIVE_PEAK
+    out: list[DelayPoint] = []
+    for end in range(w + lag, n + 1, step):
+        f0, f1 = (end - w - lag) // hop, end // hop
+        if f1 <= f0 or played[f0:f1].mean() < min_active:
+            continue
+        got = gcc_phat_delay(mic[end - w:end], far[end - w - lag:end], lag, rate)
+        if got is None or got[1] < min_peak_ratio:
+            continue
+        out.append(DelayPoint(round((end - w / 2) / rate, 4), round(float(got[0]) * 1000.0 / rate, 4), round(got[1], 2)))
+    return out
+
+
+def drift_ppm(points: Sequence[DelayPoint]) -> Optional[float]:
+    """The rate at which the delay moved, ppm of time (a least-squares line through ``points``; +: the echo
+    falls further behind, the speaker's clock slower than the microphone's): ms of delay per s is 1000 ppm.
+    None with fewer than 3 points or under 1 s between the first and the last."""
+    if len(points) < 3 or points[-1].t_s - points[0].t_s < 1.0:
+        return None
+    t = np.array([p.t_s for p in points])
+    d = np.array([p.delay_ms for p in points])
+    return float(np.polyfit(t, d, 1)[0] * 1000.0)
+
+
+def delay_summary(points: Sequence[DelayPoint], window_s: float = 10.0) -> dict:
+    """What a run's delay track says, for a benchmark's JSON: ``n`` windows measured; ``delay_ms`` p5 / p50 / p95;
+    ``wander_ms`` (p95 - p5); ``drift_ppm`` over the whole track (:func:`drift_ppm`); ``drift_ppm_peak`` the
+    largest magnitude of :func:`drift_ppm` over ``window_s`` spans (a clock drift that wanders, or an adaptive
+    resampler's, shows there and not in the whole run's); ``residual_ms_rms`` the points' scatter around those
+    spans' lines (the measurement's own noise where the delay moves smoothly). Empty values (None) where there
+    is too little to say."""
+    out: dict = {"n": len(points), "delay_ms": None, "wander_ms": None, "drift_ppm": None, "drift_ppm_peak": None,
+                 "residual_ms_rms": None}
+    if not points:
+        return out
+    d = np.array([p.delay_ms for p in points])
+    t = np.array([p.t_s for p in points])
+    p5, p50, p95 = np.percentile(d, [5, 50, 95])
+    out["delay_ms"] = {"p5": round(float(p5), 3), "p50": round(float(p50), 3), "p95": round(float(p95), 3)}
+    out["wander_ms"] = round(float(p95 - p5), 3)
+    whole = drift_ppm(points)
+    out["drift_ppm"] = None if whole is None else round(whole, 1)
+    rates, resid = [], []
+    start = 0
+    while start < len(points):
+        stop = int(np.searchsorted(t, t[start] + window_s))
+        span = list(points[start:stop])
+        r = drift_ppm(span)
+        if r is not None and span[-1].t_s - span[0].t_s >= window_s / 2:
+            rates.append(r)
+            ts, ds = t[start:stop], d[start:stop]
+            resid.extend(ds - np.polyval(np.polyfit(ts, ds, 1), ts))
+        start = max(stop, start + 1)
+    if rates:
+        out["drift_ppm_peak"] = round(float(max(rates, key=abs)), 1)
+        out["residual_ms_rms"] = round(float(np.sqrt(np.mean(np.square(resid)))), 4)
+    return out
