@@ -283,10 +283,12 @@ class JackRoom:
         (:attr:`line_samples`), ppm (+: the echo falls further behind; 0 without drift): the ground truth of
         :func:`appliance.audio.delay.drift_ppm`. The delay is ``delay - A sin(2 pi m / P)`` (:class:`_DriftLine`)."""
         line = self._line
-        if line.period is None or m1 == m0:
-            return 0.0 if line.period is None and line.ratio == 1.0 else -(line.ratio - 1.0) * 1e6
-        return float(-line.amplitude * (np.sin(2 * np.pi * m1 / line.period) - np.sin(2 * np.pi * m0 / line.period))
-                     / (m1 - m0) * 1e6)
+        if line.period is None:
+            return -(line.ratio - 1.0) * 1e6  # read at a constant rate: the delay shrinks by ratio - 1 a sample
+        w = 2 * np.pi / line.period
+        if m1 == m0:
+            return float(-line.amplitude * w * np.cos(w * m0) * 1e6)
+        return float(-line.amplitude * (np.sin(w * m1) - np.sin(w * m0)) / (m1 - m0) * 1e6)
 
     def set_echo(self, echo_gain_db: Optional[float]) -> None:
         """The echo's level from the next period on, dB (None: no echo path); the echo path's state stays."""
