@@ -4,8 +4,8 @@ What it is for: on a real appliance the speaker and the microphone run on two cr
 an I2S or USB speaker), a few hundred ppm apart, so the echo slides along the far end that the canceller pairs
 it with: 300 ppm is 0.3 ms a second, 18 ms a minute. Speex's linear filter cannot follow that (its floors stayed
 at -3.7 dB above 1 kHz on a linear speaker drifting 300 ppm, measured here, docs/measurements.md), and nothing
-in the service measures it. This module measures it, from audio alone: the simulated and JACK rooms' taps
-(``appliance bench interruption --room jack`` reports it), and the Pi's own speaker and microphone
+in the service measures it. This module measures it, from audio alone: on a JACK-room run's tap (``appliance
+bench interruption --room jack`` reports it as ``echo_delay``), and on the Pi's own speaker and microphone
 (``hw-tests/``). The canceller does not use it (yet): see docs/measurements.md, session 19.
 
 The method is the generalised cross-correlation with the phase transform (GCC-PHAT; Knapp & Carter, IEEE
@@ -112,7 +112,8 @@ def delay_track(mic: np.ndarray, far: np.ndarray, rate: int = MODEL_RATE, window
         got = gcc_phat_delay(mic[end - w:end], far[end - w - lag:end], lag, rate)
         if got is None or got[1] < min_peak_ratio:
             continue
-        out.append(DelayPoint(round((end - w / 2) / rate, 4), round(float(got[0]) * 1000.0 / rate, 4), round(got[1], 2)))
+        delay_ms = round(float(got[0]) * 1000.0 / rate, 4)
+        out.append(DelayPoint(round((end - w / 2) / rate, 4), delay_ms, round(got[1], 2)))
     return out
 
 
