@@ -166,6 +166,12 @@ CLEAR_SOFT_FRAMES = 2  # near_end_clear's soft broadband pass: the window this m
 #   GATE_SOFT_DB of the threshold too (see near_end_clear)
 HB_SURE_DB = 6.0  # the onset gate (a window the VAD took for speech): the strong test's high band this far above its
 #   threshold is enough, with no broadband condition (see EchoCanceller._hb_strong_deficit_db)
+DEEP_FLOOR_MAX_DB = -34.0  # the onset gate's deep form (EchoCanceller._deep_pass): only where the echo floor is this
+#   low (Speex removes at least 34 dB of its echo) ...
+DEEP_MARGIN_DB = 20.0  # ... a window this far above the floor ...
+DEEP_HB_MIN_DB = -36.0  # ... with a high-band ratio at least this (the cancelled echo's high band sits near -45 dB) ...
+DEEP_LEVEL_MAX_DB = 3.0  # ... and its newest 20 ms at most this far above the microphone's usual level (and at most
+#   -GATE_MIN_LEVEL_DB under it): a loud moment of the echo is where Speex's residual jumps
 GATE_MIN_LEVEL_DB = -18.0  # Speex's broadband test: the window's newest LEVEL_SAMPLES at most this far below the
 #   microphone's usual level while the far end plays (EchoCanceller.level_db; see near_end_present)
 LEVEL_SAMPLES = 2 * FRAME  # ... measured over the newest 20 ms of the VAD window, where a user's onset is
@@ -1208,15 +1214,44 @@ class EchoCanceller:
         strong = self._hb_strong_deficit_db(t, n, sure=True)  # the gate sees only windows the VAD took for speech
         if new_reply:
             hb_passed, strong = False, None
-        passed = (passed or hb_passed or (strong is not None and strong <= 0.0)) and r <= OVER_DB
+        deep = not new_reply and self._deep_pass(r, hb)
+        passed = (passed or hb_passed or deep or (strong is not None and strong <= 0.0)) and r <= OVER_DB
         if passed:
             self._keep_onset_out()
         if self.record:
             self.gate_log.append(self._log_row((r, threshold) + t[2:], passed, strong))
         if self.trace is not None:
             self._trace_gate("speex", passed, ratio_db=r, threshold_db=threshold, hb_db=hb,
-                             hb_threshold_db=hb_threshold, hb_passed=hb_passed, strong_db=strong)
+                             hb_threshold_db=hb_threshold, hb_passed=hb_passed, strong_db=strong, deep=deep)
         return passed
+
+    def _deep_pass(self, r: float, hb: Optional[float]) -> bool:
+        """The onset gate's deep form, for a window the VAD took for speech (Silero at its threshold or more):
+        Speex converged and deep (its echo floor at most ``DEEP_FLOOR_MAX_DB``, -34 dB; not in the strict period
+        after the hand-over), the window's broadband ratio ``r`` (dB) at least ``DEEP_MARGIN_DB`` (20 dB) above
+        that floor, its high-band ratio ``hb`` (dB) at least ``DEEP_HB_MIN_DB`` (-36 dB), and the newest 20 ms
+        (:meth:`level_db`) between ``GATE_MIN_LEVEL_DB`` (-18 dB) and ``DEEP_LEVEL_MAX_DB`` (+3 dB) of the
+        microphone's usual level. The caller leaves a new reply's first ``NEW_REPLY_FRAMES`` out.
+
+        Why: a nasal "No." under echo 6 dB louder than the user comes out of a converged Speex at -27 to -15 dB
+        broadband (its murmur is quiet next to the echo's vowels, and has no high band to pass the high-band
+        tests), while :meth:`gate_threshold_db` is ``onset_gate_db`` (-10 dB) however deep the floor: the gate
+        refused the user's first 30-90 ms, and in the simulated bench "No." at +6 dB was its slowest short
+        stop, 110-117 ms in every voice (session 19's run; 87-127 ms in sessions 16-18). Speex's residual on
+        echo alone does reach 20-24 dB above its floor, at a loud moment of the reply (the microphone 9-11 dB
+        over its usual level) or in a reverberant room, hence the level and high-band bounds. Measured here,
+        offline (docs/measurements.md, session 20): over 264 echo-only replies on a converged Speex (11 Piper
+        replies x echo -10, 0, +6, +10 dB x RT60 150 ms, none and 300 ms, twice), 822 windows met every
+        condition but the VAD's, and Silero scored none of them over 0.25 (the gate sees 0.5 or more); the
+        users' refused windows of "No." at +6 dB met them 30-60 ms after the onset, and that word's p95 / max
+        went from 100 / 103 to 85 / 99 ms over 72 of them.
+        """
+        if self.backend != "speex" or not self.warm or self._just_handed_over() or hb is None or hb < DEEP_HB_MIN_DB:
+            return False
+        floor = self.echo_floor_db()
+        level = self.level_db(LEVEL_SAMPLES)
+        return (floor is not None and floor <= DEEP_FLOOR_MAX_DB and r >= floor + DEEP_MARGIN_DB
+                and level is not None and GATE_MIN_LEVEL_DB <= level <= DEEP_LEVEL_MAX_DB)
 
     def _just_handed_over(self) -> bool:
         """Speex has taken over from the stand-in less than ``STRICT_FRAMES`` far-active frames ago, and the
