@@ -787,6 +787,16 @@ def test_a_nasal_or_a_late_vowel_under_louder_echo_is_heard_before_the_vowel(par
     assert _short_stop_onset_ms(parts, far_end, tmp_path, word, voice, at_s) <= bound_ms
 
 
+@pytest.mark.parametrize("voice, at_s", [("en-us+f3", 2.0), ("en-gb+m3", 1.2)])
+def test_a_nasal_far_under_louder_echo_is_heard_on_a_deep_floor(parts, far_end, tmp_path, voice, at_s):
+    """The onset gate's deep form (:meth:`EchoCanceller._deep_pass`), in the setup of :func:`_short_stop_onset_ms`:
+    "No." under echo 6 dB louder, where Speex's floor is near -44 dB and the nasal comes out at -25 to -15 dB
+    broadband with too little high band for the high-band tests. Before it (main c02d464, measured here) the
+    onset came 117 ms (en-us+f3, 2.0 s in) and 85 ms (en-gb+m3, 1.2 s in) after the first sound; with it, 53 ms
+    each."""
+    assert _short_stop_onset_ms(parts, far_end, tmp_path, "No.", voice, at_s) <= 64.0
+
+
 def test_a_stop_whose_ratio_stays_just_under_the_threshold_is_heard_before_the_vowel(parts, far_end, tmp_path):
     """:meth:`EchoCanceller.near_end_clear`'s soft broadband pass, in the setup of :func:`_short_stop_onset_ms`:
     "Stop." (en-us+f3) 2.0 s in. Silero scored its "st" 0.39 40 ms in, the high band above its threshold,
