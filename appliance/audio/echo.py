@@ -1250,13 +1250,14 @@ class EchoCanceller:
         -13 dB, Silero 0.8-1.0, and without the residual test this form passed it 100 ms before the gate's other
         tests did).
 
-        Measured here, offline, the simulated room (30 ms, RT60 150 ms) on a converged Speex, 11 fixed Piper
-        replies (docs/measurements.md, session 20): over 132 echo-only replies at echo -10, 0, +6 and +10 dB with
-        RT60 150 ms, none and 300 ms, 411 windows met every bound but the residual test and Silero scored none
-        of them over 0.25 (the gate sees 0.5 or more); with it, the onsets of those replies and of 44 replies
-        after a +6 dB step were the same as without this form (18, 17 of them after the step). "No." at +6 dB
-        (3 voices x 4 points x 3 replies): p50 / p95 / max 59 / 100 / 103 -> 55 / 85 / 99 ms; "Wait." 57 / 86 /
-        93 -> 54 / 84 / 93; "No." at 0 dB unchanged.
+        Measured here, offline, with ``tools/gate-eval`` (the simulated room, a converged Speex, fixed Piper replies;
+        docs/measurements.md, session 20): over 132 echo-only replies (11 replies x echo -10, 0, +6, +10 dB x RT60
+        150 ms, none and 300 ms) this form passed 395 windows on its figures and Silero scored none of them over
+        0.25 (the gate sees 0.5 or more); over 44 replies after a +6 dB step, 98 windows, at most 0.44 (in a reply
+        the gate's other tests had paused 0.17 s in). The replies' onsets were the same as without this form (1
+        at +10 dB; 17 after the step, see NEW_REPLY_FRAMES). "No." at +6 dB (3 voices x 4 points x 3 replies):
+        p50 / p95 / max 59 / 100 / 103 -> 55 / 85 / 99 ms; "Wait." 57 / 86 / 93 -> 54 / 84 / 93; the others
+        unchanged.
         """
         if self.backend != "speex" or not self.warm or self._just_handed_over() or hb is None or hb < DEEP_HB_MIN_DB:
             return False
