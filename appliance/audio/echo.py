@@ -1094,7 +1094,7 @@ class EchoCanceller:
 
     def near_end_present(self, n: int = 512) -> bool:
         """Double-talk test for the VAD's onset gate: True when the last ``n`` samples are not mostly
-        cancelled echo, or when the far end has been silent for the echo tail (200 ms) and the window. Three
+        cancelled echo, or when the far end has been silent for the echo tail (200 ms) and the window. Four
         tests, any one passes:
 
         - broadband: the output/input ratio at or above :meth:`gate_threshold_db` (or within
@@ -1106,7 +1106,9 @@ class EchoCanceller:
           of a linear echo, and the user's consonant fills that band;
         - strong high band (:meth:`_hb_strong_deficit_db`, Speex converged, not in the strict period below): the
           ratio there ``HB_STRONG_DB`` above that threshold, over a high band down to 18 dB under its usual
-          level, or here, where the VAD has taken the window for speech, ``HB_SURE_DB`` above it.
+          level, or here, where the VAD has taken the window for speech, ``HB_SURE_DB`` above it;
+        - deep (:meth:`_deep_pass`, Speex converged to a floor of -34 dB or lower): the broadband ratio 20 dB
+          over that floor, outside a loud moment of the echo and a volume step.
 
         In the far end's silences, while the echo's tail still rings (:meth:`_tail_test`: the far end silent
         past the echo's delay, the tail not yet decayed ``TAIL_LENGTH_DB`` at the measured decay), a window
@@ -1116,9 +1118,9 @@ class EchoCanceller:
         does not pass on AEC3's figures.
 
         A reply's first ``NEW_REPLY_FRAMES`` (200 ms) of far end after a second of silence get the strict
-        broadband test and no high-band test (here and in :meth:`near_end_clear`): the echo's gain may have changed
-        over the silence (a volume step), and Speex, adapted to the old gain, is behind for the reply's first
-        words. Measured here, the 48 kHz JACK room at 0 ppm with a linear speaker, whose echo-only run steps the
+        broadband test and no high-band test (here and in :meth:`near_end_clear`), nor the deep one: the echo's
+        gain may have changed over the silence (a volume step), and Speex, adapted to the old gain, is behind for
+        the reply's first words. Measured here, the 48 kHz JACK room at 0 ppm with a linear speaker, whose echo-only run steps the
         echo from 0 to +6 dB between two replies on the running service: Speex removed only 16-20 dB of the
         louder reply's first 60 ms, its high band passed the high-band test (-12.3 and -8.8 dB against -16) and
         the reply paused on itself in each of 3 live runs; replayed offline through this canceller (the live
