@@ -38,7 +38,11 @@ for good, once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRA
 20 s of far end (``HANDOVER_DEADLINE_FAR_FRAMES``): on a drifting, clipping speaker the floors look converged for
 moments, and Speex taken over at such a moment passed its own echo (sessions 16-17, docs/measurements.md); a path it
 has not learnt by then keeps the stand-in. A new echo path (a device reopened, a reload) gets a new canceller.
-Just after the hand-over,
+A first reply too short for Speex to converge on (1-1.5 s) is not wasted: in the silence after it, a second
+Speex adapts on it and its echo three times over, and where the floors of a fourth pass show convergence it serves
+in AEC3's place from the next reply's first frame until the live Speex hands over (data reuse,
+:meth:`EchoCanceller._advance_reuse`); without it the next reply's first second was AEC3's, and a user barging in
+there was heard 100-1080 ms late (measured here, offline, ``tools/standin-eval``). Just after the hand-over,
 Speex's onset gate is stricter for 2 s of the reply of the hand-over and never passes a window far quieter than the echo's
 usual level: a freshly converged Speex's residual still sounds like speech to Silero (see
 :meth:`EchoCanceller.near_end_present`). A chime at start-up was
@@ -259,6 +263,14 @@ TAIL_MAX_FRAMES = 60  # ... or after this many frames of silence (before UNBANDE
 TAIL_MIN_POWER = 10 ** (-85 / 10)  # mean power per sample under which a band cannot break the tail
 EXPLAINED_DB = 6.0  # the stand-in's gate: a window whose every band sits within this of the echo the far end predicts
 #   there (over_echo's prediction) is our own echo, whatever AEC3 left of it (EchoCanceller._echo_explained)
+REUSE_PASSES = 3  # data reuse (EchoCanceller._advance_reuse): while Speex has not shown convergence, a second Speex
+#   adapts on the cold frames kept (the replies played so far and their echo) this many times over, then once more
+#   while its residual is measured (measured here, offline, the simulated room at 0 and +6 dB, Speex without its
+#   preprocessor: a 0.8-1.5 s first reply adapted on 3 times left 16.4-22.5 dB of ERLE on the next reply's first
+#   0.5 s, against 8.0-15.1 dB adapted on once and 25.2-25.6 dB after a 3.6 s reply; docs/measurements.md) ...
+REUSE_RING_FRAMES = 1000  # ... the cold frames kept: the newest 10 s that Speex processed before the hand-over ...
+REUSE_MIN_FAR_FRAMES = 50  # ... with at least this many far-active frames among them (0.5 s of reply) ...
+REUSE_SPEED = 10  # ... processed at this many frames per live frame (a pass over 2 s of frames takes 0.2 s of silence)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
 
@@ -354,6 +366,8 @@ class EchoCanceller:
     :param over_echo_db: the stand-in's bypass (:meth:`over_echo`): how far a microphone band must stand over
         the echo the far end predicts, dB (None: off; for comparison; the prediction still serves
         :meth:`_echo_explained`).
+    :param reuse_passes: with Speex, data reuse before the hand-over (:meth:`_advance_reuse`): how many times a new
+        Speex adapts on the cold frames kept before it is measured (0: no reuse; for comparison).
     :raises UserError: an unknown backend or its package is missing.
 
     :attr:`trace`: None, or a list that a benchmark sets to have every frame and onset-gate check recorded
@@ -369,8 +383,9 @@ class EchoCanceller:
                  tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0, stand_in: bool = True,
                  skip_idle_bands: bool = True, bypass_idle: bool = True,
                  restart_after_silence_s: Optional[float] = RESTART_SILENCE_S,
-                 over_echo_db: Optional[float] = OVER_ECHO_DB):
+                 over_echo_db: Optional[float] = OVER_ECHO_DB, reuse_passes: int = REUSE_PASSES):
         self._webrtc_args = (noise_suppression, high_pass_filter)
+        self._speex_args = (tail_ms, noise_suppression)
         if backend == "webrtc":
             self._impl = _WebRtcAec3(noise_suppression, high_pass_filter)
         elif backend == "speex":
@@ -467,6 +482,17 @@ class EchoCanceller:
         self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
         self._tail_decays: list[float] = []  # dB per frame, one per silence measured (the newest TAIL_SILENCES)
         self._tail_decay = TAIL_DECAY_DB  # ... their median, within TAIL_DECAY_RANGE_DB (tail_decay_db)
+        # Data reuse before the hand-over (_advance_reuse): the frames Speex processed while cold, and a reuse under way.
+        self.reuse_passes = int(reuse_passes) if backend == "speex" else 0
+        self._ring: list[tuple[np.ndarray, np.ndarray, float, bool]] = []  # (near, far, far energy, kept out of floors)
+        self._ring_far_new = 0  # far-active frames the ring took since the last reuse began
+        self._reuse: Optional[_Reuse] = None
+        self._reused: Optional[EchoCanceller] = None  # the reused Speex that serves (reused_active), if any
+        self.reused_frame: Optional[int] = None  # the first frame (as handover_frame) a reused Speex served
+        self.reused_frames = 0  # frames whose output from a reused Speex went to the VAD
+        self.reuses = 0  # reuses completed
+        self._reused_floors = False  # this canceller is a reused Speex (its floors from its last pass): no deep form
+        self.reuse_frames = 0  # frames the reuses processed (their cost: about 0.1 ms each here)
         # A benchmark's trace (see trace_rows): None (the default) records nothing and costs nothing.
         self.trace: Optional[list] = None
         self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
@@ -532,6 +558,11 @@ class EchoCanceller:
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
                 out[sl] = self._impl.frame(self._near[sl], self._far[sl])
+            if self.reuse_passes and not self.warm:
+                self._ring.extend((near[i].copy(), far[i].copy(), float(e_far[i]), self.frames + i < self._floor_hold_until)
+                                  for i in range(n))
+                self._ring_far_new += int(np.count_nonzero(e_far >= FAR_ACTIVE * FRAME))
+                del self._ring[:-REUSE_RING_FRAMES]
         self.busy_s += time.perf_counter() - t0
         out_f = out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
@@ -607,9 +638,19 @@ class EchoCanceller:
                     *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
         self._update_mode(n, grew)
+        if self.reuse_passes:
+            t0 = time.perf_counter()
+            self._advance_reuse(n, bool(len(loud)))
+            self.busy_s += time.perf_counter() - t0
         fed = self._stand_in_fed()
         served = []  # frames of this call whose microphone went to the VAD in the stand-in's place (over_echo)
-        if fed:
+        reused = self.reused_active
+        if reused:
+            t0 = time.perf_counter()
+            out = self._reused.process(self._near[:need], self._far[:need])
+            self.busy_s += time.perf_counter() - t0
+            self.reused_frames += n
+        elif fed:
             if self._restart_pending and self._stand_in.frames:
                 self._stand_in._restart_aec3()
                 self.restarts += 1
@@ -625,7 +666,8 @@ class EchoCanceller:
                 else:
                     self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
         if self.trace is not None:
-            self._trace_frames(n, e_in, out, "bypass" if bypass else "aec3" if fed else "speex" if self.warm
+            self._trace_frames(n, e_in, out, "bypass" if bypass else "reused" if reused else "aec3" if fed
+                               else "speex" if self.warm
                                else "none" if self._stand_in is None else "cold", served)
         if self.record:
             for i in range(n):
@@ -845,6 +887,102 @@ class EchoCanceller:
                                                gate_db=self.gate_db, stand_in=False, restart_after_silence_s=None)
             except UserError:
                 self._stand_in_ready = False  # no livekit: cold windows are refused by the onset gate
+
+    def _advance_reuse(self, n: int, far_plays: bool) -> None:
+        """Data reuse before the hand-over: while Speex has not shown convergence, a second Speex adapts on the
+        cold frames kept (:data:`REUSE_RING_FRAMES`: the replies played so far, their echo and the silences
+        around them) ``REUSE_PASSES`` times over and once more while its residual is measured; where
+        :meth:`converged` holds on that pass and the one before, it serves the VAD and the onset gate in the
+        AEC3 stand-in's place (:attr:`reused_active`) until the live Speex hands over, which learns and hands
+        over exactly as without it. So a first reply too short for the live Speex to converge on (1-1.5 s)
+        still gives the next reply a converged canceller from its first frame.
+
+        Run in the far end's silences, at ``REUSE_SPEED`` frames per live frame (``n``: this call's frames);
+        ``far_plays``: the far end played in this call, which abandons a reuse under way (the next silence
+        starts another, on more frames). It starts once the far end has been silent for the filter's tail and a
+        frame more (the kept frames then end in silence, so that each pass follows the one before without a
+        seam), when the kept frames hold ``REUSE_MIN_FAR_FRAMES`` of far end more than at the last reuse, within
+        the hand-over's deadline. Each new one replaces the last.
+
+        Why not in the live one's place (tried, measured here offline with ``tools/standin-eval --quick``): a
+        Speex adapted four times on a 0.8-1.5 s reply cancels the next reply's first half second better (see
+        ``REUSE_PASSES``), but with its preprocessor its output stayed 3-9 dB behind a Speex that had converged
+        live on a 3.6 s reply, 1-5 s into the next reply, and the early onset (:meth:`near_end_clear`) took a word's onset after a pause
+        3.8 s into it for the user in 3 of 60 echo-only replies (0 on the code before). Serving only until the
+        live hand-over, the reused Speex is never the one that does (0 of 60)."""
+        if self.warm or not self.reuse_passes:
+            self._reuse, self._ring, self._reused = None, [], None
+            return
+        if far_plays:
+            self._reuse = None
+            return
+        if self._reuse is None:
+            if (self._far_silent_run < self._bypass_after or self._ring_far_new < REUSE_MIN_FAR_FRAMES
+                    or self._deadline_far > HANDOVER_DEADLINE_FAR_FRAMES):
+                return
+            first = next((j for j, f in enumerate(self._ring) if f[2] <= FAR_SILENT), None)
+            if first is None:
+                return
+            self._reuse = _Reuse(_SpeexMdf(*self._speex_args), self._ring[first:])
+            self._ring_far_new = 0
+        r = self._reuse
+        for _ in range(REUSE_SPEED * n):
+            near, far = r.frames[r.pos][:2]
+            out = r.speex.frame(near, far)
+            if r.passes >= self.reuse_passes - 1:
+                r.outs[r.passes - self.reuse_passes + 1].append(out)
+            r.pos += 1
+            self.reuse_frames += 1
+            if r.pos == len(r.frames):
+                r.pos, r.passes = 0, r.passes + 1
+                if r.passes > self.reuse_passes:
+                    self._finish_reuse(r)
+                    return
+
+    def _finish_reuse(self, r: "_Reuse") -> None:
+        """A canceller around the reused Speex ``r``, its floors those of its last pass (the frames the live floors
+        kept out stay out), in :attr:`_reused` if :meth:`converged` holds there and on the pass before (see
+        :meth:`_advance_reuse`)."""
+        self._reuse = None
+        self.reuses += 1
+        ec = EchoCanceller("speex", noise_suppression=self._speex_args[1], tail_ms=self._speex_args[0],
+                           gate_db=self.gate_db, stand_in=False, reuse_passes=0)
+        ec._impl = r.speex
+        near, far = (np.stack([f[i] for f in r.frames]) for i in (0, 1))
+        e_far = np.array([f[2] for f in r.frames])
+        free = ~np.array([f[3] for f in r.frames]) & (e_far > FAR_SILENT)  # as process() takes frames into the floors
+        idx = np.flatnonzero(free & (e_far >= FAR_ACTIVE * FRAME))[-LT_FRAMES:]
+        b_far = _band_energies(far)
+        bands = [np.flatnonzero(free & (b >= FAR_BAND_ACTIVE * FRAME))[-LT_FRAMES:] for b in b_far.T]
+        b_in, e_in = _band_energies(near), _energy(near)
+        held = True
+        for outs in (np.stack(o) for o in r.outs):
+            e_out = _energy(outs)
+            _never_louder(outs, e_out, e_in)
+            b_out = _band_energies(outs)
+            ec._lt_in, ec._lt_out = [float(x) for x in e_in[idx]], [float(x) for x in e_out[idx]]
+            ec._lt_hb_in, ec._lt_hb_out = [float(x) for x in b_in[idx, -1]], [float(x) for x in b_out[idx, -1]]
+            for b, ib in enumerate(bands):
+                ec._lt_band_in[b] = [float(x) for x in b_in[ib, b]]
+                ec._lt_band_out[b] = [float(x) for x in b_out[ib, b]]
+                ec._lt_band_far[b] = [float(x) for x in b_far[ib, b]]
+            held = held and ec.converged()
+        if not held:
+            return
+        # Converged and serving: the gate as after a hand-over, but with no strict period (its floors are measured),
+        # and the far end's silence so far carried over (a reply after it is a new reply: NEW_REPLY_FRAMES).
+        ec.warm, ec.handovers, ec._handover_far = True, 1, -STRICT_FRAMES
+        ec._reused_floors = True  # measured on the frames it adapted on: deeper than on new ones, so no deep form
+        ec._far_silent_run, ec._reply_far = self._far_silent_run, self._reply_far
+        if self._reused is None:
+            self.reused_frame = self.frames
+        self._reused = ec
+
+    @property
+    def reused_active(self) -> bool:
+        """True while a Speex adapted by data reuse (:meth:`_advance_reuse`) serves the VAD and the onset gate in
+        the AEC3 stand-in's place: from a reuse whose floors showed convergence until the live Speex hands over."""
+        return not self.warm and self._reused is not None
 
     def _over_echo_stats(self) -> tuple:
         """(the echo path's gain per band: the microphone's energy over the predicted echo's, summed over the
@@ -1169,6 +1307,12 @@ class EchoCanceller:
           under the echo 0.4 s into the next reply was heard 706 ms late (measured here, the full bench).
         """
         tail = self._tail_test()
+        if self.reused_active:
+            passed = self._reused.near_end_present(n)
+            if passed and self._echo_recent(n):
+                self._keep_onset_out()  # (as while the stand-in serves: the live Speex's floors decide the hand-over)
+            self._trace_gate("reused", passed, ratio_db=self._reused.near_end_ratio_db(n))
+            return passed
         if self.stand_in_active and self._stand_in.frames:
             if tail is not None:
                 self._trace_gate("tail", tail)
@@ -1238,7 +1382,8 @@ class EchoCanceller:
         (:meth:`level_db`) between ``GATE_MIN_LEVEL_DB`` (-18 dB) and ``DEEP_LEVEL_MAX_DB`` (+3 dB) of the
         microphone's usual level, and Speex's residual over the 200 ms that ended 100 ms earlier
         (``DEEP_PRE_FRAMES``) at most ``DEEP_PRE_DB`` (10 dB) above the floor. The caller leaves a new reply's
-        first ``NEW_REPLY_FRAMES`` out.
+        first ``NEW_REPLY_FRAMES`` out. Never on a reused Speex (:meth:`_advance_reuse`), whose floors come from the
+        frames it adapted on (it passed a reply's own echo at -13.9 dB over a training floor under -34 dB).
 
         Why: a nasal "No." under echo 6 dB louder than the user comes out of a converged Speex at -27 to -15 dB
         broadband (its murmur is quiet next to the echo's vowels, and has too little high band for the high-band
@@ -1261,7 +1406,8 @@ class EchoCanceller:
         p50 / p95 / max 59 / 100 / 103 -> 55 / 85 / 99 ms; "Wait." 57 / 86 / 93 -> 54 / 84 / 93; the others
         unchanged.
         """
-        if self.backend != "speex" or not self.warm or self._just_handed_over() or hb is None or hb < DEEP_HB_MIN_DB:
+        if self.backend != "speex" or not self.warm or self._just_handed_over() or hb is None or hb < DEEP_HB_MIN_DB \
+                or self._reused_floors:
             return False
         floor = self.echo_floor_db()
         if floor is None or floor > DEEP_FLOOR_MAX_DB or r < floor + DEEP_MARGIN_DB:
@@ -1447,6 +1593,8 @@ class EchoCanceller:
         self._lt_new = 0
         self._lt_band_new[:] = 0
         self._floor_hold_until = self.frames + FLOOR_HOLD_FRAMES
+        for j in range(max(0, len(self._ring) - FLOOR_LAG_FRAMES), len(self._ring)):
+            self._ring[j] = self._ring[j][:3] + (True,)  # (data reuse measures its floors as these do)
 
     def _band_tests(self, n: int) -> Optional[tuple]:
         """The two bands' figures over the last ``n`` samples: (broadband ratio, its threshold, high-band
@@ -1487,6 +1635,16 @@ class EchoCanceller:
         re-warms after a bypass included, the bypassed frames not), or None before any such frame."""
         done = self.frames - self.bypassed_frames
         return self.busy_s * 1000.0 / done if done > 0 else None
+
+
+class _Reuse:
+    """A data reuse under way (:meth:`EchoCanceller._advance_reuse`): the new Speex, the frames it adapts on, where
+    it is (frame ``pos`` of pass ``passes``, counted from 0) and the last pass's output frames."""
+
+    def __init__(self, speex: _SpeexMdf, frames: list):
+        self.speex, self.frames = speex, frames
+        self.pos = self.passes = 0
+        self.outs: tuple[list, list] = ([], [])  # the output frames of the last two passes
 
 
 class GateRow(NamedTuple):

@@ -543,11 +543,15 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
 def served_by(echo, frame: int) -> str:
     """Whose output the VAD heard at the canceller's 10 ms ``frame`` (counted from its first):
     ``"stand_in"`` (Speex not yet handed over to: the WebRTC AEC3 stand-in, or nothing where it is missing),
+    ``"reused"`` (a Speex adapted by data reuse in the stand-in's place, ``EchoCanceller.reused_active``),
     ``"speex"``, or the backend's name for a canceller with no hand-over (``"webrtc"``)."""
     if getattr(echo, "backend", None) != "speex":
         return str(getattr(echo, "backend", "unknown"))
     handed = getattr(echo, "handover_frame", None)
-    return "speex" if handed is not None and handed <= frame else "stand_in"
+    if handed is not None and handed <= frame:
+        return "speex"
+    reused = getattr(echo, "reused_frame", None)
+    return "reused" if reused is not None and reused <= frame else "stand_in"
 
 
 RING_OUT_S = 0.5  # longer than the echo path's delay and the reverberant room's RT60 (300 ms) together

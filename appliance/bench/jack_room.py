@@ -552,13 +552,14 @@ def from_tap(out: sim.Outcome, case: sim.Case, room: JackRoom, svc: ServiceUnder
             out.served_by = served_at_onset(out.barge["trace"])
 
 
-SERVED_BY = {"speex": "speex", "aec3": "stand_in", "cold": "stand_in", "none": "stand_in"}  # trace -> served_by
+SERVED_BY = {"speex": "speex", "reused": "reused", "aec3": "stand_in", "cold": "stand_in",
+             "none": "stand_in"}  # trace -> served_by
 
 
 def served_at_onset(trace: Optional[dict]) -> Optional[str]:
     """Whose output the VAD heard at the user's onset, as the simulated room's
-    :func:`appliance.bench.interruption.served_by` says it (``"stand_in"``, ``"speex"``), from a barge-in's
-    :func:`case_trace`: the serving of the first 10 ms frame that holds the onset (ms > -10). None without a trace."""
+    :func:`appliance.bench.interruption.served_by` says it (``"stand_in"``, ``"reused"``, ``"speex"``), from a
+    barge-in's :func:`case_trace`: the serving of the first 10 ms frame that holds the onset (ms > -10). None without a trace."""
     rows = [f for f in (trace or {}).get("frames", []) if f[0] > -1000.0 * FRAME / MODEL_RATE]
     return SERVED_BY.get(rows[0][1], rows[0][1]) if rows else None
 
