@@ -482,7 +482,7 @@ class EchoCanceller:
         self._tail_fit: list[tuple[int, float]] = []  # (frame in the silence, microphone dB) for the decay's measurement
         self._tail_decays: list[float] = []  # dB per frame, one per silence measured (the newest TAIL_SILENCES)
         self._tail_decay = TAIL_DECAY_DB  # ... their median, within TAIL_DECAY_RANGE_DB (tail_decay_db)
-        # Data reuse before the hand-over (_advance_reuse): the frames Speex processed while cold, and a reuse under way.
+        # Data reuse before the hand-over (_advance_reuse): the frames Speex processed while cold, a reuse under way.
         self.reuse_passes = int(reuse_passes) if backend == "speex" else 0
         self._ring: list[tuple[np.ndarray, np.ndarray, float, bool]] = []  # (near, far, far energy, kept out of floors)
         self._ring_far_new = 0  # far-active frames the ring took since the last reuse began
@@ -559,7 +559,8 @@ class EchoCanceller:
                 sl = slice(i * FRAME, (i + 1) * FRAME)
                 out[sl] = self._impl.frame(self._near[sl], self._far[sl])
             if self.reuse_passes and not self.warm:
-                self._ring.extend((near[i].copy(), far[i].copy(), float(e_far[i]), self.frames + i < self._floor_hold_until)
+                held = self._floor_hold_until
+                self._ring.extend((near[i].copy(), far[i].copy(), float(e_far[i]), self.frames + i < held)
                                   for i in range(n))
                 self._ring_far_new += int(np.count_nonzero(e_far >= FAR_ACTIVE * FRAME))
                 del self._ring[:-REUSE_RING_FRAMES]
@@ -907,9 +908,9 @@ class EchoCanceller:
         Why not in the live one's place (tried, measured here offline with ``tools/standin-eval --quick``): a
         Speex adapted four times on a 0.8-1.5 s reply cancels the next reply's first half second better (see
         ``REUSE_PASSES``), but with its preprocessor its output stayed 3-9 dB behind a Speex that had converged
-        live on a 3.6 s reply, 1-5 s into the next reply, and the early onset (:meth:`near_end_clear`) took a word's onset after a pause
-        3.8 s into it for the user in 3 of 60 echo-only replies (0 on the code before). Serving only until the
-        live hand-over, the reused Speex is never the one that does (0 of 60)."""
+        live on a 3.6 s reply, 1-5 s into the next reply, and the early onset (:meth:`near_end_clear`) took a
+        word's onset after a pause 3.8 s into it for the user in 3 of 60 echo-only replies (0 on the code
+        before). Serving only until the live hand-over, the reused Speex is never the one that does (0 of 60)."""
         if self.warm or not self.reuse_passes:
             self._reuse, self._ring, self._reused = None, [], None
             return
