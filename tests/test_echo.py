@@ -884,8 +884,9 @@ def test_a_reply_louder_than_the_last_does_not_pause_on_its_own_start(parts, far
 
 def _short_then_long(parts, far_end, user=None, user_db=-6.0, at_s=0.2, gap_s=2.0, tail_s=0.5):
     """``tools/standin-eval``'s case: a short first reply ("Yes, I can help.", 1.45 s), ``gap_s`` of silence, a
-    longer reply, ``tail_s`` of silence; the echo at the user's usual level (``USER_DBFS``), 30 ms + RT60 150 ms; ``user`` (float32, 16 kHz)
-    ``user_db`` re that level ``at_s`` into the second reply. :returns: (mic, far, the user's onset in samples)."""
+    longer reply, ``tail_s`` of silence; the echo at the user's usual level (``USER_DBFS``), 30 ms + RT60 150 ms;
+    ``user`` (float32, 16 kHz) ``user_db`` re that level ``at_s`` into the second reply.
+    :returns: (mic, far, the user's onset in samples; None without a user)."""
     from appliance.bench.interruption import USER_DBFS, active_dbfs, at_level
 
     rate = 16000
@@ -929,7 +930,7 @@ def test_data_reuse_waits_for_a_silence_and_hands_over_only_what_it_can_cancel(p
     """Data reuse runs in the far end's silences only: a second piece of the reply 0.3 s after the first abandons
     the reuse under way (here the live Speex converges within the second piece and hands over on its own). And the
     reused Speex serves only where it cancels the echo: through the JACK room's worst case (a clipping speaker,
-    +300 ppm) the reuse runs, and the AEC3 stand-in serves on (the reused Speex's floors -29, -17, -7 and -5 dB)."""
+    +300 ppm) the reuse runs, its floors never show convergence, and the AEC3 stand-in serves on."""
     echo, far, _ = _short_then_long(parts, far_end, gap_s=0.3, tail_s=4.0)
     first = (16000 // 2 + int(1.45 * 16000)) // FRAME  # the short reply's end (frames)
     ec = EchoCanceller("speex", noise_suppression=True)

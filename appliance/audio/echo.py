@@ -39,8 +39,9 @@ for good, once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRA
 moments, and Speex taken over at such a moment passed its own echo (sessions 16-17, docs/measurements.md); a path it
 has not learnt by then keeps the stand-in. A new echo path (a device reopened, a reload) gets a new canceller.
 A first reply too short for Speex to converge on (1-1.5 s) is not wasted: in the silence after it, a second
-Speex adapts on it and its echo three times over, and where the floors of a fourth pass show convergence it serves
-in AEC3's place from the next reply's first frame until the live Speex hands over (data reuse,
+Speex adapts on it and its echo three times over, and where the floors of a fourth pass show convergence it serves,
+with the strict gate of the hand-over's first seconds, in AEC3's place from the next reply's first frame until the
+live Speex hands over (data reuse,
 :meth:`EchoCanceller._advance_reuse`); without it the next reply's first second was AEC3's, and a user barging in
 there was heard 100-1080 ms late (measured here, offline, ``tools/standin-eval``). Just after the hand-over,
 Speex's onset gate is stricter for 2 s of the reply of the hand-over and never passes a window far quieter than the echo's
@@ -268,9 +269,9 @@ REUSE_PASSES = 3  # data reuse (EchoCanceller._advance_reuse): while Speex has n
 #   while its residual is measured (measured here, offline, the simulated room at 0 and +6 dB, Speex without its
 #   preprocessor: a 0.8-1.5 s first reply adapted on 3 times left 16.4-22.5 dB of ERLE on the next reply's first
 #   0.5 s, against 8.0-15.1 dB adapted on once and 25.2-25.6 dB after a 3.6 s reply; docs/measurements.md) ...
-REUSE_RING_FRAMES = 1000  # ... the cold frames kept: the newest 10 s that Speex processed before the hand-over ...
+REUSE_RING_FRAMES = 500  # ... the cold frames kept: the newest 5 s that Speex processed before the hand-over ...
 REUSE_MIN_FAR_FRAMES = 50  # ... with at least this many far-active frames among them (0.5 s of reply) ...
-REUSE_SPEED = 10  # ... processed at this many frames per live frame (a pass over 2 s of frames takes 0.2 s of silence)
+REUSE_SPEED = 20  # ... processed at this many frames per live frame (all four passes over 5 s of frames: 1 s of silence)
 RESTART_SILENCE_S = 1.0  # AEC3 (the backend or the stand-in) starts afresh when the far end returns after this long
 #   a silence (see EchoCanceller.restart_after_silence_s)
 
@@ -491,7 +492,7 @@ class EchoCanceller:
         self.reused_frame: Optional[int] = None  # the first frame (as handover_frame) a reused Speex served
         self.reused_frames = 0  # frames whose output from a reused Speex went to the VAD
         self.reuses = 0  # reuses completed
-        self._reused_floors = False  # this canceller is a reused Speex (its floors from its last pass): no deep form
+        self._reused_floors = False  # this canceller is a reused Speex (its floors from its last pass): strict gate
         self.reuse_frames = 0  # frames the reuses processed (their cost: about 0.1 ms each here)
         # A benchmark's trace (see trace_rows): None (the default) records nothing and costs nothing.
         self.trace: Optional[list] = None
@@ -910,7 +911,12 @@ class EchoCanceller:
         ``REUSE_PASSES``), but with its preprocessor its output stayed 3-9 dB behind a Speex that had converged
         live on a 3.6 s reply, 1-5 s into the next reply, and the early onset (:meth:`near_end_clear`) took a
         word's onset after a pause 3.8 s into it for the user in 3 of 60 echo-only replies (0 on the code
-        before). Serving only until the live hand-over, the reused Speex is never the one that does (0 of 60)."""
+        before). Serving only until the live hand-over, the reused Speex is never the one that does. And while it
+        serves, its gate is the strict one of the hand-over's first seconds (:meth:`_just_handed_over`: the
+        broadband test at ``GATE_MAX_DB`` with no soft pass, no strong high-band or deep test): with the
+        converged gate, its residual passed at -7.5 dB 1.2 s into the next reply in 1 of 60 echo-only replies
+        and on a volume step in another; strict, 0 of 60, the barge-ins p50 / p95 52.4 / 113.2 -> 67.1 / 115.6 ms
+        (92, none missed; AEC3 there: 160.6 / 713.1, 15 missed)."""
         if self.warm or not self.reuse_passes:
             self._reuse, self._ring, self._reused = None, [], None
             return
@@ -942,13 +948,12 @@ class EchoCanceller:
 
     def _finish_reuse(self, r: "_Reuse") -> None:
         """A canceller around the reused Speex ``r``, its floors those of its last pass (the frames the live floors
-        kept out stay out), in :attr:`_reused` if :meth:`converged` holds there and on the pass before (see
-        :meth:`_advance_reuse`)."""
+        kept out stay out), in :attr:`_reused` if :meth:`converged` holds there and on the pass before, its gate
+        strict (see :meth:`_advance_reuse`)."""
         self._reuse = None
         self.reuses += 1
         ec = EchoCanceller("speex", noise_suppression=self._speex_args[1], tail_ms=self._speex_args[0],
                            gate_db=self.gate_db, stand_in=False, reuse_passes=0)
-        ec._impl = r.speex
         near, far = (np.stack([f[i] for f in r.frames]) for i in (0, 1))
         e_far = np.array([f[2] for f in r.frames])
         free = ~np.array([f[3] for f in r.frames]) & (e_far > FAR_SILENT)  # as process() takes frames into the floors
@@ -961,23 +966,35 @@ class EchoCanceller:
             e_out = _energy(outs)
             _never_louder(outs, e_out, e_in)
             b_out = _band_energies(outs)
-            ec._lt_in, ec._lt_out = [float(x) for x in e_in[idx]], [float(x) for x in e_out[idx]]
-            ec._lt_hb_in, ec._lt_hb_out = [float(x) for x in b_in[idx, -1]], [float(x) for x in b_out[idx, -1]]
-            for b, ib in enumerate(bands):
-                ec._lt_band_in[b] = [float(x) for x in b_in[ib, b]]
-                ec._lt_band_out[b] = [float(x) for x in b_out[ib, b]]
-                ec._lt_band_far[b] = [float(x) for x in b_far[ib, b]]
+            ec._set_floors(e_in[idx], e_out[idx], b_in[idx, -1], b_out[idx, -1],
+                           [(b_in[ib, b], b_out[ib, b], b_far[ib, b]) for b, ib in enumerate(bands)])
             held = held and ec.converged()
         if not held:
             return
-        # Converged and serving: the gate as after a hand-over, but with no strict period (its floors are measured),
-        # and the far end's silence so far carried over (a reply after it is a new reply: NEW_REPLY_FRAMES).
-        ec.warm, ec.handovers, ec._handover_far = True, 1, -STRICT_FRAMES
-        ec._reused_floors = True  # measured on the frames it adapted on: deeper than on new ones, so no deep form
-        ec._far_silent_run, ec._reply_far = self._far_silent_run, self._reply_far
+        ec._serve_reused(r.speex, self._far_silent_run, self._reply_far)
         if self._reused is None:
             self.reused_frame = self.frames
         self._reused = ec
+
+    def _set_floors(self, e_in: np.ndarray, e_out: np.ndarray, hb_in: np.ndarray, hb_out: np.ndarray,
+                    bands: list) -> None:
+        """Put these frames' energies in the floors' place (data reuse, :meth:`_finish_reuse`): broadband and high
+        band in and out (float64 [k] each, the far-active frames), and per band of ``BAND_EDGES_HZ`` (in, out, far)
+        (float64 [k_b] each, the frames in which the far end played in that band); the newest ``LT_FRAMES`` kept."""
+        keep = lambda x: [float(v) for v in x[-LT_FRAMES:]]  # noqa: E731
+        self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out = keep(e_in), keep(e_out), keep(hb_in), keep(hb_out)
+        for b, (b_in, b_out, b_far) in enumerate(bands):
+            self._lt_band_in[b], self._lt_band_out[b], self._lt_band_far[b] = keep(b_in), keep(b_out), keep(b_far)
+
+    def _serve_reused(self, speex: _SpeexMdf, far_silent_run: int, reply_far: int) -> None:
+        """Become the reused Speex that serves in the stand-in's place (:meth:`_advance_reuse`): ``speex``'s filter,
+        converged, with the strict gate for as long as it serves (:meth:`_just_handed_over` reads
+        ``_reused_floors``: its floors are measured on the frames it adapted on, deeper than on new ones) and no deep
+        form; ``far_silent_run`` and ``reply_far`` (frames) carry the live canceller's silence so far over, so
+        that a reply after it is a new reply (``NEW_REPLY_FRAMES``)."""
+        self._impl = speex
+        self.warm, self.handovers, self._handover_far, self._reused_floors = True, 1, -STRICT_FRAMES, True
+        self._far_silent_run, self._reply_far = far_silent_run, reply_far
 
     @property
     def reused_active(self) -> bool:
@@ -1422,8 +1439,10 @@ class EchoCanceller:
 
     def _just_handed_over(self) -> bool:
         """Speex has taken over from the stand-in less than ``STRICT_FRAMES`` far-active frames ago, and the
-        far end has not been silent for ``STRICT_GAP_FRAMES`` since (the reply of the hand-over still plays)."""
-        return self.handovers > 0 and self.warm and self._far_frames - self._handover_far < STRICT_FRAMES
+        far end has not been silent for ``STRICT_GAP_FRAMES`` since (the reply of the hand-over still plays); or
+        this is a reused Speex (:meth:`_advance_reuse`), strict for as long as it serves."""
+        return self._reused_floors or \
+            self.handovers > 0 and self.warm and self._far_frames - self._handover_far < STRICT_FRAMES
 
     def _too_quiet(self, n: int = 512) -> bool:
         """The broadband test does not count for a window far below the microphone's usual level while the
