@@ -490,7 +490,6 @@ class EchoCanceller:
         self._reuse: Optional[_Reuse] = None
         self._reused: Optional[EchoCanceller] = None  # the reused Speex that serves (reused_active), if any
         self.reused_frame: Optional[int] = None  # the first frame (as handover_frame) a reused Speex served
-        self.reused_frames = 0  # frames whose output from a reused Speex went to the VAD
         self.reuses = 0  # reuses completed
         self._reused_floors = False  # this canceller is a reused Speex (its floors from its last pass): strict gate
         self.reuse_frames = 0  # frames the reuses processed (their cost: about 0.1 ms each here)
@@ -651,7 +650,6 @@ class EchoCanceller:
             t0 = time.perf_counter()
             out = self._reused.process(self._near[:need], self._far[:need])
             self.busy_s += time.perf_counter() - t0
-            self.reused_frames += n
         elif fed:
             if self._restart_pending and self._stand_in.frames:
                 self._stand_in._restart_aec3()
@@ -1400,8 +1398,9 @@ class EchoCanceller:
         (:meth:`level_db`) between ``GATE_MIN_LEVEL_DB`` (-18 dB) and ``DEEP_LEVEL_MAX_DB`` (+3 dB) of the
         microphone's usual level, and Speex's residual over the 200 ms that ended 100 ms earlier
         (``DEEP_PRE_FRAMES``) at most ``DEEP_PRE_DB`` (10 dB) above the floor. The caller leaves a new reply's
-        first ``NEW_REPLY_FRAMES`` out. Never on a reused Speex (:meth:`_advance_reuse`), whose floors come from the
-        frames it adapted on (it passed a reply's own echo at -13.9 dB over a training floor under -34 dB).
+        first ``NEW_REPLY_FRAMES`` out. Never on a reused Speex (:meth:`_advance_reuse`: strict for as long as it serves,
+        its floors come from the frames it adapted on; it passed a reply's own echo at -13.9 dB over a training floor
+        under -34 dB).
 
         Why: a nasal "No." under echo 6 dB louder than the user comes out of a converged Speex at -27 to -15 dB
         broadband (its murmur is quiet next to the echo's vowels, and has too little high band for the high-band
@@ -1424,8 +1423,7 @@ class EchoCanceller:
         p50 / p95 / max 59 / 100 / 103 -> 55 / 85 / 99 ms; "Wait." 57 / 86 / 93 -> 54 / 84 / 93; the others
         unchanged.
         """
-        if self.backend != "speex" or not self.warm or self._just_handed_over() or hb is None or hb < DEEP_HB_MIN_DB \
-                or self._reused_floors:
+        if self.backend != "speex" or not self.warm or self._just_handed_over() or hb is None or hb < DEEP_HB_MIN_DB:
             return False
         floor = self.echo_floor_db()
         if floor is None or floor > DEEP_FLOOR_MAX_DB or r < floor + DEEP_MARGIN_DB:
