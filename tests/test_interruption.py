@@ -15,7 +15,7 @@ import pytest
 from appliance.audio.files import MODEL_RATE, load_audio
 from appliance.bench import interruption as bench
 from appliance import turns
-from appliance.turns import BargeInDecision, KeywordClassifier, TurnTaker
+from appliance.turns import AGREEMENT, BargeInDecision, KeywordClassifier, TurnTaker
 from appliance.vad import SileroVad, VadSegmenter
 
 
@@ -341,6 +341,19 @@ def test_keyword_classifier_on_captured_backchannels_and_stop_words(name, want):
     clf = KeywordClassifier().load()
     got = clf.classify(audio)
     assert got == want, (got, clf.last)
+
+
+@pytest.mark.parametrize("name, first", [("joe_uh_huh_no_echo6.wav", "no"), ("joe_uh_huh_pause_echo6.wav", "pause")])
+def test_a_stop_word_heard_in_one_decode_only_does_not_flush(name, first):
+    """Piper's "Uh-huh." under echo 6 dB louder, captured by tools/classifier-eval: the first decode hears a stop
+    word (which flushed the reply before the agreement rule), another dither seed or a frame grid shifted by 5 ms
+    hears a backchannel or nothing. No verdict then, so the duration rule resumes the reply (real PocketSphinx)."""
+    audio = load_audio(Path(__file__).parent / "fixtures" / "captured" / name)
+    clf = KeywordClassifier().load()
+    assert clf.hypothesis(audio) == first
+    heard = {clf.hypothesis(audio, seed, shift) for seed, shift in AGREEMENT}
+    assert len(heard) > 1, heard
+    assert clf.classify(audio) is None and clf.last == first
 
 
 def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge_in():
