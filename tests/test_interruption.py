@@ -356,6 +356,28 @@ def test_a_stop_word_heard_in_one_decode_only_does_not_flush(name, first):
     assert clf.classify(audio) is None and clf.last == first
 
 
+@pytest.mark.parametrize("heard, want, decodes", [
+    (["wait stop", "wait stop", "speechword", "stop"], BargeInDecision.INTERRUPT, 4),  # one decode heard a noise
+    (["stop it", "stop", "i", "stop"], BargeInDecision.INTERRUPT, 4),  # ... or other words
+    (["no", "mm-hmm", "no", "no"], None, 2),  # a backchannel in any decode holds the stop word back
+    (["no", "uh", "no", "uh"], None, 4),  # two of four
+    (["pause", "pause", "speechword", "oh"], None, 4),
+    (["uh-huh", "no", "no", "no"], BargeInDecision.RESUME, 1),  # the first decode decides anything but a stop word
+    (["noiseword", "stop", "stop", "stop"], None, 1),
+])
+def test_the_decodes_must_agree_on_a_stop_word(heard, want, decodes):
+    """The agreement rule alone: the decoder is replaced by the hypotheses listed, one per decode of AGREEMENT."""
+    class Heard(KeywordClassifier):
+        def hypothesis(self, audio, seed=0, shift=0):
+            self.calls.append((seed, shift))
+            return heard[len(self.calls) - 1]
+
+    clf = Heard()
+    clf.calls = []
+    assert clf.classify(np.zeros(4000, np.float32)) == want
+    assert clf.calls == list(AGREEMENT[:decodes]) and clf.last == heard[0]
+
+
 def test_a_reply_that_ends_by_itself_right_after_the_onset_is_not_a_missed_barge_in():
     """The benchmark's validity rule on timeline records (seconds): a reply that finishes within 100 ms of
     the user's onset, before any pause, was never interrupted; one that was paused first, or that ends
