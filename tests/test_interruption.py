@@ -330,6 +330,9 @@ def test_keyword_classifier_falls_back_to_the_forward_search(name, want):
     ("joe_no_echo6.wav", BargeInDecision.INTERRUPT),
     ("engb_stop_echo6.wav", BargeInDecision.INTERRUPT),
     ("usf3_stop_echo6.wav", BargeInDecision.INTERRUPT),
+    # Piper's "Stop." in the JACK room at +300 ppm with the clipping speaker (rebuilt from the run's tap): heard as
+    # "stop it" by two decodes and "that's" by two; missed when three of four had to hear the stop word
+    ("joe_stop_clip300ppm.wav", BargeInDecision.INTERRUPT),
 ])
 def test_keyword_classifier_on_captured_backchannels_and_stop_words(name, want):
     """Interjections as the listener hands them over: the bench's speech played over a reply through the
@@ -344,10 +347,10 @@ def test_keyword_classifier_on_captured_backchannels_and_stop_words(name, want):
 
 
 @pytest.mark.parametrize("name, first", [("joe_uh_huh_no_echo6.wav", "no"), ("joe_uh_huh_pause_echo6.wav", "pause")])
-def test_a_stop_word_heard_in_one_decode_only_does_not_flush(name, first):
+def test_a_stop_word_that_another_decode_hears_as_a_backchannel_does_not_flush(name, first):
     """Piper's "Uh-huh." under echo 6 dB louder, captured by tools/classifier-eval: the first decode hears a stop
-    word (which flushed the reply before the agreement rule), another dither seed or a frame grid shifted by 5 ms
-    hears a backchannel or nothing. No verdict then, so the duration rule resumes the reply (real PocketSphinx)."""
+    word (which flushed the reply before), another dither seed or the frame grid moved by 5 ms hears a backchannel.
+    No verdict then, so the duration rule resumes the reply (real PocketSphinx)."""
     audio = load_audio(Path(__file__).parent / "fixtures" / "captured" / name)
     clf = KeywordClassifier().load()
     assert clf.hypothesis(audio) == first
@@ -358,14 +361,14 @@ def test_a_stop_word_heard_in_one_decode_only_does_not_flush(name, first):
 
 @pytest.mark.parametrize("heard, want, decodes", [
     (["wait stop", "wait stop", "speechword", "stop"], BargeInDecision.INTERRUPT, 4),  # one decode heard a noise
-    (["stop it", "stop", "i", "stop"], BargeInDecision.INTERRUPT, 4),  # ... or other words
+    (["stop it", "stop it", "that's", "that's"], BargeInDecision.INTERRUPT, 4),  # ... or other words (the JACK room's)
     (["no", "mm-hmm", "no", "no"], None, 2),  # a backchannel in any decode holds the stop word back
-    (["no", "uh", "no", "uh"], None, 4),  # two of four
+    (["no", "no", "no", "uh"], None, 4),  # "uh" is one of the grammar's backchannels
     (["pause", "pause", "speechword", "oh"], None, 4),
     (["uh-huh", "no", "no", "no"], BargeInDecision.RESUME, 1),  # the first decode decides anything but a stop word
     (["noiseword", "stop", "stop", "stop"], None, 1),
 ])
-def test_the_decodes_must_agree_on_a_stop_word(heard, want, decodes):
+def test_a_stop_word_flushes_unless_another_decode_hears_a_backchannel(heard, want, decodes):
     """The agreement rule alone: the decoder is replaced by the hypotheses listed, one per decode of AGREEMENT."""
     class Heard(KeywordClassifier):
         def hypothesis(self, audio, seed=0, shift=0):
