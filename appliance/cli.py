@@ -128,7 +128,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         silent = (f"output silent after {b['output_silent_ms']} ms" if b["output_silent_ms"] else
                   "the output was already silent (a gap between clauses)")
         if 0 < b["output_silent_ms"] < b["detected_ms"]:
-            silent += " (a pause of the reply itself, before the detection)"
+            silent += " (the reply had fallen quiet between two words before the detection paused it)"
         print(f"barge-in at {b['onset_t']:.2f} s: detected after {b['detected_ms']} ms, {silent}")
     for p in report["self_pauses"]:
         ended = ("flushed" if p["flushed"] else f"resumed after {p['paused_ms']} ms" if p["resumed"] else "not resumed")

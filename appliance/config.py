@@ -298,7 +298,8 @@ class ConfigProblem:
 
     def __str__(self) -> str:
         where = f"line {self.line}: " if self.line else ""
-        return f"{where}{self.path}: {self.message}"
+        key = "" if self.path == "(yaml)" else f"{self.path}: "  # the file as a whole: its message says so
+        return f"{where}{key}{self.message}"
 
 
 class ConfigError(UserError):

@@ -50,10 +50,10 @@ BAD = {
     "duplicate key": ("vad:\n  threshold: 0.5\n  threshold: 0.6\n",
                       "line 3: vad.threshold: duplicate key (also at line 2; only this one would count); keep one"),
     "invalid YAML": ("vad:\n  threshold: [0.5\n",
-                     "line 3: (yaml): invalid YAML: expected ',' or ']', but got '<stream end>' (while parsing a "
+                     "line 3: invalid YAML: expected ',' or ']', but got '<stream end>' (while parsing a "
                      "flow sequence that began at line 2)"),
     "tab indentation": ("vad:\n\tthreshold: 0.5\n",
-                        "line 2: (yaml): invalid YAML: found character '\\t' that cannot start any token"),
+                        "line 2: invalid YAML: found character '\\t' that cannot start any token"),
     "led kind without its pins": ("gpio:\n  led_kind: rgb\n",  # nothing would light, without a word
                                   "line 2: gpio.led_kind: rgb needs gpio.rgb_pins; give rgb_pins"),
     "pins for another led kind": ("gpio:\n  led_kind: per_state\n  led_pin: 17\n",
