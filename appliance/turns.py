@@ -255,10 +255,10 @@ class KeywordClassifier:
             return None
         t0 = time.perf_counter()
         first, backchannel = None, False
-        for seed, shift in AGREEMENT:
+        for i, (seed, shift) in enumerate(AGREEMENT):
             text = self.hypothesis(audio, seed, shift)
             words = " ".join(w for w in text.split() if w not in _FILLERS)
-            if first is None:
+            if i == 0:
                 self.last = text
                 first = _decide_words(words) if words else None
                 if first != BargeInDecision.INTERRUPT:
