@@ -3,7 +3,7 @@ reply played through a room (the simulated room's linear echo path, or the JACK 
 offline). All float32 mono at 16 kHz (``MODEL_RATE``)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -73,3 +73,20 @@ def replying_segmenter(cfg, echo) -> VadSegmenter:
     seg.use_gate(echo.near_end_present, echo.near_end_clear)
     seg.follow(interjecting=False, both_streams=True, skip_floor=False)
     return seg
+
+
+def cancel_and_segment(cfg, mic: np.ndarray, far: np.ndarray, echo=None,
+                       segmenter: Optional[VadSegmenter] = None) -> Iterator[tuple[int, list]]:
+    """The listener's microphone path while a reply plays, offline: ``FRAME`` (10 ms) blocks of ``mic`` (float32
+    [n], 16 kHz) through the echo canceller with ``far`` (float32 [>= n], what was played) as its far end, then the
+    VAD's segmenter. ``echo`` (an :class:`~appliance.audio.echo.EchoCanceller`) defaults to ``from_config(cfg)``
+    and ``segmenter`` to :func:`replying_segmenter` on it; pass your own to look at them while the loop runs.
+    Yields (block index, the segmenter's events for that block); an event's ``t_sample`` is its window's first
+    sample (the window is 512 samples). Stop iterating whenever you have what you need."""
+    from ..audio.echo import from_config
+
+    echo = from_config(cfg) if echo is None else echo
+    segmenter = replying_segmenter(cfg, echo) if segmenter is None else segmenter
+    for i in range(len(mic) // FRAME):
+        sl = slice(i * FRAME, (i + 1) * FRAME)
+        yield i, segmenter.push(echo.process(mic[sl], far[sl]))
