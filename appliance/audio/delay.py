@@ -6,7 +6,8 @@ it with: 300 ppm is 0.3 ms a second, 18 ms a minute. Speex's linear filter canno
 at -3.7 dB above 1 kHz on a linear speaker drifting 300 ppm, measured here, docs/measurements.md), and nothing
 in the service measures it. This module measures it, from audio alone: on a JACK-room run's tap (``appliance
 bench interruption --room jack`` reports it as ``echo_delay``), and on the Pi's own speaker and microphone
-(``hw-tests/``). The canceller does not use it (yet): see docs/measurements.md, session 19.
+(``hw-tests/``). With ``echo.follow_drift`` (experimental, off by default) the canceller uses it through
+:class:`DriftFollower`: see docs/measurements.md, sessions 19 and 23.
 
 The method is the generalised cross-correlation with the phase transform (GCC-PHAT; Knapp & Carter, IEEE
 Trans. ASSP 24(4), 1976): the cross-spectrum of a window of the microphone and of the far end (the window and
@@ -31,6 +32,9 @@ BAND_HZ = (300.0, 4000.0)  # the band the correlation is whitened over: speech, 
 MIN_PEAK_RATIO = 3.0  # a window whose peak is not this many times the largest value 8 lags or more away is
 #   refused (no echo in it, a user over it, or noise)
 PEAK_GUARD = 8  # lags either side of the peak that the ratio's "largest other value" does not look at
+MIN_SLOPE_S = 3.0  # DriftFollower: the measurements must span this long before it follows a slope (their scatter,
+#   0.26 samples rms, over a 1 s span is a slope of 0.3 samples a second: 6 samples off after a 2 s silence)
+MAX_TANGENT_S = 2.0  # DriftFollower: how far past its last measurement the fit's tangent is followed, s
 ACTIVE_PEAK = 1e-4  # a far-end sample this loud or louder counts as played (about -80 dBFS)
 
 
@@ -160,3 +164,125 @@ def delay_summary(points: Sequence[DelayPoint], window_s: float = 10.0) -> dict:
         out["drift_ppm_peak"] = round(float(max(rates, key=abs)), 1)
         out["residual_ms_rms"] = round(float(np.sqrt(np.mean(np.square(resid)))), 4)
     return out
+
+
+class DriftFollower:
+    """Keeps the far end on the microphone's clock, causally, for a linear echo canceller: it measures the echo's
+    delay behind the far end as the two streams arrive (:func:`gcc_phat_delay` over ``window_s`` windows every
+    ``step_s``, while the far end plays), fits the last ``fit_s`` of measurements with a parabola, and hands back
+    the far end delayed by ``reserve`` samples plus how far the echo's delay has moved since the first
+    measurement (a fractional delay: a Hann-windowed sinc of ``TAPS`` taps). So the echo stays where the
+    canceller's filter found it while the speaker's clock wanders against the microphone's.
+
+    The far end is delayed by ``reserve_ms`` from the start, so that an echo that comes sooner (a speaker clock
+    faster than the microphone's) can still be followed; where the first measurement finds the echo sooner than
+    the reserve and 2 ms, the reserve shrinks to that (a jump the canceller meets while it converges). The delay
+    is clamped to [``TAPS`` / 2, 2 ``reserve_ms``]: a drift that moves the echo further than that from where it
+    was first found is followed only that far (20 ms: 67 s at a constant 300 ppm; a re-alignment beyond it is
+    not built).
+
+    :param rate: Hz of both streams (16 kHz in the service).
+    :param window_s, step_s: each measurement's window and the time between them, s (as :func:`delay_track`).
+    :param fit_s: the measurements fitted, s; past the last one (a silence) the fit's tangent there is followed.
+    :param reserve_ms: the far end's delay before the echo has moved, ms.
+    """
+
+    TAPS = 32  # the fractional delay's windowed sinc
+
+    def __init__(self, rate: int = MODEL_RATE, window_s: float = 0.5, step_s: float = 0.25, fit_s: float = 8.0,
+                 max_lag_ms: float = 100.0, reserve_ms: float = 20.0, min_active: float = 0.6):
+        self.rate = rate
+        self._w, self._step = int(window_s * rate), int(step_s * rate)
+        self._lag = int(max_lag_ms * rate / 1000.0)
+        self._fit = fit_s * rate
+        self._reserve_max = reserve_ms * rate / 1000.0
+        self._min_active = min_active
+        self._keep = self._w + self._lag + 4 * int(self._reserve_max) + self.TAPS
+        # The newest samples of each stream, oldest first: [_end - _keep, _end) of buffers twice as long, moved
+        # back to their start when full (a copy every few seconds, not every block).
+        self._mic = np.zeros(2 * self._keep, np.float32)
+        self._far = np.zeros(2 * self._keep, np.float32)
+        self._played = np.zeros(2 * self._keep, bool)
+        self._end = self._keep
+        self.n = 0  # samples seen
+        self._next = self._w + self._lag  # the sample count at which the next window ends
+        self.points: list[tuple[float, float]] = []  # (sample at the window's centre, delay in samples)
+        self.first: Optional[float] = None  # the first measured delay, samples
+        self.reserve = float(int(self._reserve_max))  # the far end's delay at the first measurement, samples
+        self.shift = 0.0  # the delay applied to the last block, samples
+
+    def delay_now(self) -> Optional[float]:
+        """The echo's delay behind the far end now, samples, from the fit (None before the first measurement)."""
+        if not self.points:
+            return None
+        pts = [p for p in self.points if p[0] >= self.points[-1][0] - self._fit]
+        t = np.array([p[0] for p in pts]) / self.rate
+        d = np.array([p[1] for p in pts])
+        now = self.n / self.rate
+        if len(pts) < 8 or t[-1] - t[0] < MIN_SLOPE_S:
+            return float(np.median(d))  # too short a span for a slope that holds over a silence: no drift yet
+        deg = 2 if t[-1] - t[0] >= 2 * MIN_SLOPE_S else 1
+        fit = np.polyfit(t - t[-1], d, deg)
+        # past the last measurement (a silence: the clocks drift on) along the fit's tangent there, for at most
+        # MAX_TANGENT_S (a wander that turns over a long silence is met again by the next reply's first window)
+        return float(fit[-1] + fit[-2] * min(now - t[-1], MAX_TANGENT_S))
+
+    def process(self, mic: np.ndarray, far: np.ndarray) -> np.ndarray:
+        """Take a block of both streams, paired sample by sample; return the far end to give the canceller.
+
+        :param mic: float32 [k] the microphone; ``far``: float32 [k] what was played at those instants.
+        :returns: float32 [k] the far end, re-timed.
+        """
+        mic = np.asarray(mic, np.float32).reshape(-1)
+        far = np.asarray(far, np.float32).reshape(-1)
+        k = len(far)
+        if k > self._keep:
+            raise ValueError(f"a block of at most {self._keep} samples, not {k}")
+        if self._end + k > len(self._far):
+            for b in (self._mic, self._far, self._played):
+                b[:self._keep] = b[self._end - self._keep:self._end]
+            self._end = self._keep
+        e = self._end + k
+        self._mic[self._end:e], self._far[self._end:e], self._played[self._end:e] = mic, far, np.abs(far) >= ACTIVE_PEAK
+        self._end = e
+        self.n += k
+        while self.n >= self._next:
+            end = e - (self.n - self._next)
+            self._next += self._step
+            span = self._played[end - self._w - self._lag:end]
+            if span.mean() < self._min_active:
+                continue
+            got = gcc_phat_delay(self._mic[end - self._w:end], self._far[end - self._w - self._lag:end], self._lag,
+                                 self.rate)
+            if got is None or got[1] < MIN_PEAK_RATIO:
+                continue
+            if self.first is None:
+                self.first = got[0]
+                if got[0] - 2e-3 * self.rate < self.reserve:  # an echo sooner than the reserve: less of it
+                    self.reserve = float(max(got[0] - 2e-3 * self.rate, 0.0))
+            self.points.append((self.n - (e - end) - self._w / 2, got[0]))
+            del self.points[:-int(4 * self._fit / self._step)]
+        if self.first is None:
+            return self._delayed(int(self.reserve), 0.0, k, e)
+        if not self._played[e - k - int(2 * self._reserve_max) - self.TAPS:e].any():
+            return np.zeros(k, np.float32)  # nothing played within reach of the delay: silence, with no fit
+        d = self.delay_now()
+        s = float(np.clip(self.reserve + d - self.first, self.TAPS / 2, 2 * self._reserve_max)) \
+            if self.reserve >= self.TAPS / 2 else 0.0
+        self.shift = s
+        if s == 0.0:
+            return far
+        return self._delayed(int(np.floor(s)), s - np.floor(s), k, e)
+
+    def _delayed(self, i: int, frac: float, k: int, e: int) -> np.ndarray:
+        """The newest ``k`` samples of the far end (ending at buffer index ``e``) delayed by ``i`` + ``frac``
+        samples (``frac`` in [0, 1)): float32 [k]."""
+        if frac == 0.0:
+            return self._far[e - k - i:e - i].copy()
+        half = self.TAPS // 2
+        taps = np.arange(-half + 1, half + 1)  # far'[n] = sum_j h[j] far[n - i - j], h[j] = sinc(j - frac) window
+        h = np.sinc(taps - frac) * np.hanning(self.TAPS + 2)[1:-1]
+        h /= h.sum()
+        src = self._far[e - k - i - half: e - i + half - 1]
+        # out[m] = sum_j h[j] src[m + half - 1 - j + ...]: a correlation of src with h reversed
+        return np.convolve(src, h, mode="valid").astype(np.float32)

@@ -79,6 +79,17 @@ at 0 ppm left them at -14 and -17 dB, and re-aligning the far end changed nothin
 and the far end re-aligned by it still gave no hand-over (floors -6.7 dB at 1-2 kHz). So a drift compensator
 would bring Speex back on a linear speaker that drifts, but not on one that clips.
 
+Both together (``echo.follow_drift`` and ``echo.speaker_curve: auto``, experimental, off by default; session 23,
+measured here): the far end Speex gets is kept on the microphone's clock by
+:class:`appliance.audio.delay.DriftFollower` and passed through a soft-clipping curve (``_curve``), one of
+``SPEAKER_DRIVES`` chosen by Speex's own residual from a cold start (:meth:`EchoCanceller._try_curves`); the
+AEC3 stand-in keeps the far end as played. Offline, the tests' reply three times through ``clipping_room``
+(``tanh(2x)/2``, +300 ppm): the third reply's ERLE 6.3 dB as played, 19.8 following the drift, 24.3 with the
+curves too (1.5 chosen), 26.2 with the room's own curve; a linear speaker keeps the linear curve (35.3 -> 35.7).
+On the live JACK room Speex then handed over at 35 s, but the room's drift wanders (a 60 s sine) and turns over
+the silences between the bench's short replies, which the follower's tangent does not follow: ERLE 3-17 dB
+after it and an echo-only reply flushed (docs/measurements.md, session 23).
+
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
 user's first 100-250 ms (measured here, the 48 kHz JACK room, the service's own streams replayed offline: Silero
@@ -139,6 +150,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ..errors import UserError
+from .delay import DriftFollower
 from .files import MODEL_RATE
 
 FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
@@ -206,6 +218,11 @@ HANDOVER_DEADLINE_FAR_FRAMES = 2000  # ... and only within this many far-active 
 #   cannot model: the stand-in serves on, until the next new echo path (a device reopened, a reload). Counted
 #   over the far-active frames that stayed in the floors: those of a user's onset, which the gate passed, do not
 #   count (_keep_onset_out), so an owner who barges in on every early reply does not use it up.
+SPEAKER_DRIVES = (0.0, 1.5, 3.0)  # the speaker's curves tried from a cold start (speaker_drive; 0: linear; see _try_curves)
+CURVE_WINDOW_FAR_FRAMES = 200  # ... their residuals compared over the newest 2 s of far-active frames ...
+CURVE_MIN_FAR_FRAMES = 300  # ... from 3 s of them on ...
+CURVE_MAX_FAR_FRAMES = 1500  # ... until 15 s of them, or the live Speex's hand-over ...
+CURVE_MIN_GAIN_DB = 1.5  # ... and the best takes over where it left at least this much less than the live one
 _HANN = np.hanning(FRAME).astype(np.float32)
 _FREQS = np.fft.rfftfreq(FRAME, 1.0 / MODEL_RATE)
 N_BANDS = len(BAND_EDGES_HZ) - 1
@@ -384,7 +401,8 @@ class EchoCanceller:
                  tail_ms: float = 200.0, record: bool = False, gate_db: float = -10.0, stand_in: bool = True,
                  skip_idle_bands: bool = True, bypass_idle: bool = True,
                  restart_after_silence_s: Optional[float] = RESTART_SILENCE_S,
-                 over_echo_db: Optional[float] = OVER_ECHO_DB, reuse_passes: int = REUSE_PASSES):
+                 over_echo_db: Optional[float] = OVER_ECHO_DB, reuse_passes: int = REUSE_PASSES,
+                 follow_drift: bool = False, speaker_drive: float = 0.0, speaker_drives: tuple = ()):
         self._webrtc_args = (noise_suppression, high_pass_filter)
         self._speex_args = (tail_ms, noise_suppression)
         if backend == "webrtc":
@@ -496,6 +514,15 @@ class EchoCanceller:
         # A benchmark's trace (see trace_rows): None (the default) records nothing and costs nothing.
         self.trace: Optional[list] = None
         self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
+        # The far end as Speex gets it (_speex_far): re-timed to the microphone's clock, through the speaker's curve.
+        self._follower = DriftFollower() if follow_drift and backend == "speex" else None
+        self.speaker_drive = float(speaker_drive) if backend == "speex" else 0.0
+        # The speaker's curves tried (_try_curves): (drive, its Speex or None for the live one, residual energy).
+        self._curves = [[float(d), None if float(d) == self.speaker_drive else _SpeexMdf(*self._speex_args), []]
+                        for d in speaker_drives] if len(speaker_drives) > 1 and backend == "speex" else None
+        self._curve_far = 0  # far-active frames the curves have processed
+        self.curve_switched_frame: Optional[int] = None  # the frame at which another curve took over, if one did
+        self.curve_residual_db: dict = {}  # drive -> residual energy (dB) over the frames compared, at a switch
 
     def clear_records(self) -> None:
         """Forget what ``record`` kept (frames and gate logs); the canceller's state is untouched."""
@@ -547,6 +574,7 @@ class EchoCanceller:
             self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
             self._reply_far = 0
         t0 = time.perf_counter()
+        spk = self._speex_far(need)
         if bypass:
             out[:] = self._near[:need]
             self._bypassed.extend((self.frames + i, near[i].copy()) for i in range(n))
@@ -557,10 +585,13 @@ class EchoCanceller:
                 self._rewarm()
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
-                out[sl] = self._impl.frame(self._near[sl], self._far[sl])
+                out[sl] = self._impl.frame(self._near[sl], spk[sl])
+            if self._curves is not None:
+                self._try_curves(n, out, e_far)
             if self.reuse_passes and not self.warm:
                 held = self._floor_hold_until
-                self._ring.extend((near[i].copy(), far[i].copy(), float(e_far[i]), self.frames + i < held)
+                self._ring.extend((near[i].copy(), spk[i * FRAME:(i + 1) * FRAME].copy(), float(e_far[i]),
+                                   self.frames + i < held)
                                   for i in range(n))
                 self._ring_far_new += int(np.count_nonzero(e_far >= FAR_ACTIVE * FRAME))
                 del self._ring[:-REUSE_RING_FRAMES]
@@ -648,7 +679,7 @@ class EchoCanceller:
         reused = self.reused_active
         if reused:
             t0 = time.perf_counter()
-            out = self._reused.process(self._near[:need], self._far[:need])
+            out = self._reused.process(self._near[:need], spk)
             self.busy_s += time.perf_counter() - t0
         elif fed:
             if self._restart_pending and self._stand_in.frames:
@@ -678,6 +709,51 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
+
+    def _speex_far(self, need: int) -> np.ndarray:
+        """The far end of the next ``need`` samples as Speex gets it: kept on the microphone's clock by the drift
+        follower (``follow_drift``) and through the speaker's curve ``tanh(d x) / d`` (``speaker_drive`` d > 0),
+        so that what is left between it and the echo is a linear path. float32 [need], 16 kHz."""
+        far = self._far[:need]
+        if self._follower is not None:
+            far = self._follower.process(self._near[:need], far)
+        self._aligned = far
+        return _curve(far, self.speaker_drive)
+
+    def _try_curves(self, n: int, out: np.ndarray, e_far: np.ndarray) -> None:
+        """From a cold start, Speex is run with each of ``speaker_drives``' curves on the same frames (``n`` frames
+        of this call; ``out``: the live Speex's output, float32 [n FRAME]; ``e_far``: the far end's frame energies),
+        and their residual energies kept over the newest ``CURVE_WINDOW_FAR_FRAMES`` far-active frames. From
+        ``CURVE_MIN_FAR_FRAMES`` of them on, a curve whose residual there is ``CURVE_MIN_GAIN_DB`` under the live
+        one's takes over (its Speex serves from then on, adapted as long as the live one) and the others are
+        dropped; at ``CURVE_MAX_FAR_FRAMES``, or once the live Speex has handed over, they are dropped too. The
+        reuse under way and a reused Speex, made with the old curve, go with it."""
+        near = self._near[:n * FRAME]
+        active = np.flatnonzero(e_far >= FAR_ACTIVE * FRAME)
+        for c in self._curves:
+            if c[1] is None:
+                o = out
+            else:
+                far = _curve(self._aligned, c[0])
+                o = np.concatenate([c[1].frame(near[i * FRAME:(i + 1) * FRAME], far[i * FRAME:(i + 1) * FRAME])
+                                    for i in range(n)])
+            c[2].extend(_energy(o.reshape(n, FRAME))[active])
+            del c[2][:-CURVE_WINDOW_FAR_FRAMES]
+        self._curve_far += len(active)
+        if self.warm or self._curve_far >= CURVE_MAX_FAR_FRAMES:
+            self._curves = None
+            return
+        if self._curve_far < CURVE_MIN_FAR_FRAMES:
+            return
+        res = {c[0]: 10 * np.log10(max(sum(c[2]), 1e-20)) for c in self._curves}
+        live = next(c for c in self._curves if c[1] is None)
+        best = min(self._curves, key=lambda c: res[c[0]])
+        if best is not live and res[best[0]] <= res[live[0]] - CURVE_MIN_GAIN_DB:
+            self.curve_residual_db = {d: round(r, 1) for d, r in res.items()}
+            self._impl, self.speaker_drive = best[1], best[0]
+            self._ring, self._ring_far_new, self._reuse, self._reused = [], 0, None, None
+            self.curve_switched_frame = self.frames + n
+            self._curves = None
 
     def _trace_frames(self, n: int, e_in: np.ndarray, out: np.ndarray, serving: str, served: list) -> None:
         """This call's frames in :attr:`trace` (see :meth:`trace_rows`)."""
@@ -1685,6 +1761,12 @@ def _span(frames: list, k: int, ago: int) -> list:
     return frames[max(0, len(frames) - k - ago):len(frames) - ago]
 
 
+def _curve(far: np.ndarray, drive: float) -> np.ndarray:
+    """A loudspeaker driven into soft clipping, as the far end's model of it: ``tanh(drive x) / drive`` (unity gain
+    for small signals); ``drive`` 0: linear. float32 [n] in and out."""
+    return far if drive <= 0 else (np.tanh(drive * far) / drive).astype(np.float32)
+
+
 def _ratio_db(e_out: float, e_in: float) -> float:
     """Output-to-input energy ratio, dB (−ERLE on echo alone)."""
     return float(10.0 * np.log10((e_out + 1e-12) / (e_in + 1e-12)))
@@ -1780,4 +1862,5 @@ def from_config(cfg, record: bool = False) -> Optional[EchoCanceller]:
     if not e.enabled:
         return None
     return EchoCanceller(e.backend, noise_suppression=e.noise_suppression, high_pass_filter=e.high_pass_filter,
-                         record=record, gate_db=e.onset_gate_db, stand_in=e.stand_in)
+                         record=record, gate_db=e.onset_gate_db, stand_in=e.stand_in, follow_drift=e.follow_drift,
+                         speaker_drives=SPEAKER_DRIVES if e.speaker_curve == "auto" else ())
