@@ -88,7 +88,8 @@ AEC3 stand-in keeps the far end as played. Offline, the tests' reply three times
 curves too (1.5 chosen), 26.2 with the room's own curve; a linear speaker keeps the linear curve (35.3 -> 35.7).
 On the live JACK room Speex then handed over at 35 s, but the room's drift wanders (a 60 s sine) and turns over
 the silences between the bench's short replies, which the follower's tangent does not follow: ERLE 3-17 dB
-after it and an echo-only reply flushed (docs/measurements.md, session 23).
+after it, and in ten echo-only replies at each of 0 and +6 dB 20 of 20 paused on their own voice, 14 flushed
+(docs/measurements.md, session 23). Hence off by default.
 
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
