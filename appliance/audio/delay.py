@@ -283,6 +283,5 @@ class DriftFollower:
         taps = np.arange(-half + 1, half + 1)  # far'[n] = sum_j h[j] far[n - i - j], h[j] = sinc(j - frac) window
         h = np.sinc(taps - frac) * np.hanning(self.TAPS + 2)[1:-1]
         h /= h.sum()
-        src = self._far[e - k - i - half: e - i + half - 1]
-        # out[m] = sum_j h[j] src[m + half - 1 - j + ...]: a correlation of src with h reversed
+        src = self._far[e - k - i - half: e - i + half - 1]  # far[n - i - j] for every n of the block and tap j
         return np.convolve(src, h, mode="valid").astype(np.float32)

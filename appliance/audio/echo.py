@@ -387,6 +387,11 @@ class EchoCanceller:
         :meth:`_echo_explained`).
     :param reuse_passes: with Speex, data reuse before the hand-over (:meth:`_advance_reuse`): how many times a new
         Speex adapts on the cold frames kept before it is measured (0: no reuse; for comparison).
+    :param follow_drift: with Speex, its far end kept on the microphone's clock (:class:`~appliance.audio.delay.
+        DriftFollower`; experimental, see the module's notes on clock drift).
+    :param speaker_drive: with Speex, its far end through the speaker's curve ``tanh(d x) / d`` (0: linear).
+    :param speaker_drives: with Speex, the drives tried from a cold start (:meth:`_try_curves`; the
+        ``speaker_drive`` one serves first; fewer than two: none tried).
     :raises UserError: an unknown backend or its package is missing.
 
     :attr:`trace`: None, or a list that a benchmark sets to have every frame and onset-gate check recorded
@@ -517,6 +522,7 @@ class EchoCanceller:
         self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
         # The far end as Speex gets it (_speex_far): re-timed to the microphone's clock, through the speaker's curve.
         self._follower = DriftFollower() if follow_drift and backend == "speex" else None
+        self._aligned = np.zeros(0, dtype=np.float32)  # this call's far end after the follower, before the curve
         self.speaker_drive = float(speaker_drive) if backend == "speex" else 0.0
         # The speaker's curves tried (_try_curves): (drive, its Speex or None for the live one, residual energy).
         self._curves = [[float(d), None if float(d) == self.speaker_drive else _SpeexMdf(*self._speex_args), []]
