@@ -122,3 +122,27 @@ def test_the_drift_follower_hands_back_silence_unchanged_and_refuses_a_block_too
     assert np.array_equal(out[320:], x[:-320]) and not out[:320].any()
     with pytest.raises(ValueError, match="at most"):
         f.process(np.zeros(100000, np.float32), np.zeros(100000, np.float32))
+
+
+def test_the_drift_follower_measures_each_reply_afresh_after_a_silence(speech):
+    """The JACK room's drift wanders, and over the silence between two replies the echo's delay moves where
+    nothing can measure it. Here it jumps by 20 samples (1.25 ms) in a 2 s silence: 0.3 s into the second
+    reply the follower's delay is within a sample of the new one (its quick 0.15 s window), where a fit
+    of the first reply's measurements alone would still say the old one."""
+    from appliance.audio.delay import DriftFollower
+
+    a, b = speech[:5 * RATE], speech[6 * RATE:10 * RATE]
+    gap = np.zeros(2 * RATE, np.float32)
+    far = np.concatenate([a, gap, b])
+    d1, d2 = 480, 500
+    mic = np.zeros(len(far), np.float32)
+    mic[d1:len(a) + d1] += 0.5 * a
+    b0 = len(a) + len(gap)
+    mic[b0 + d2:b0 + d2 + len(b)] += 0.5 * b[:len(mic) - b0 - d2]
+    mic += (1e-4 * np.random.default_rng(2).standard_normal(len(mic))).astype(np.float32)
+    f = DriftFollower()
+    at = b0 + int(0.3 * RATE)
+    for i in range(0, at, 160):
+        f.process(mic[i:i + 160], far[i:i + 160])
+    assert abs(f.first - d1) < 1.0
+    assert abs(f.delay_now() - d2) < 1.0, f.delay_now()

@@ -961,9 +961,9 @@ def _third_reply_erle(far_end: np.ndarray, mic_of, **kw) -> tuple[float, EchoCan
 def test_following_the_drift_and_the_speakers_curve_brings_a_clipping_drifting_speaker_back_to_speex(far_end):
     """The JACK room's worst case offline (clipping_room: tanh(2x)/2, +300 ppm): Speex alone cancels little of it;
     with the far end kept on the microphone's clock (follow_drift) and the curves of SPEAKER_DRIVES tried, a
-    soft-clipping curve takes over and the third reply's ERLE is over 15 dB better (measured here: 6.3 -> 24.3 dB;
-    the drift alone 19.8, the true curve with the drift 26.2). On a linear speaker with no drift the curve stays
-    linear and the ERLE is as good as without (35.3 -> 35.7 dB); a fixed curve there costs 14 dB."""
+    soft-clipping curve takes over and the third reply's ERLE is over 15 dB better (measured here: 6.3 -> 25.7 dB;
+    the drift alone 20.0, the true curve with the drift 28.0). On a linear speaker with no drift the curve stays
+    linear and the ERLE is as good as without (35.3 -> 36.0 dB); a fixed curve there costs 14 dB."""
     from appliance.audio.echo import SPEAKER_DRIVES
 
     comp = dict(follow_drift=True, speaker_drives=SPEAKER_DRIVES)

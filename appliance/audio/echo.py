@@ -84,12 +84,13 @@ measured here): the far end Speex gets is kept on the microphone's clock by
 :class:`appliance.audio.delay.DriftFollower` and passed through a soft-clipping curve (``_curve``), one of
 ``SPEAKER_DRIVES`` chosen by Speex's own residual from a cold start (:meth:`EchoCanceller._try_curves`); the
 AEC3 stand-in keeps the far end as played. Offline, the tests' reply three times through ``clipping_room``
-(``tanh(2x)/2``, +300 ppm): the third reply's ERLE 6.3 dB as played, 19.8 following the drift, 24.3 with the
-curves too (1.5 chosen), 26.2 with the room's own curve; a linear speaker keeps the linear curve (35.3 -> 35.7).
-On the live JACK room Speex then handed over at 35 s, but the room's drift wanders (a 60 s sine) and turns over
-the silences between the bench's short replies, which the follower's tangent does not follow: ERLE 3-17 dB
-after it, and in ten echo-only replies at each of 0 and +6 dB 20 of 20 paused on their own voice, 14 flushed
-(docs/measurements.md, session 23). Hence off by default.
+(``tanh(2x)/2``, +300 ppm): the third reply's ERLE 6.3 dB as played, 20.0 following the drift, 25.7 with the
+curves too (1.5 chosen), 28.0 with the room's own curve; a linear speaker keeps the linear curve (35.3 -> 36.0).
+On the live JACK room, whose drift wanders (a 60 s sine) over the silences between replies, Speex handed over
+(48 s) and the follower, measuring each reply afresh, kept the echo aligned; but in ten echo-only replies at
+each of 0 and +6 dB 19 of 20 paused on their own voice (6 flushed), ERLE 13.5 dB: on a clipping speaker Speex's
+residual at a reply's start passes the onset gate, tuned on linear rooms (docs/measurements.md, sessions 19 and
+23). Hence off by default.
 
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
