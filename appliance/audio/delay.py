@@ -173,10 +173,12 @@ def delay_summary(points: Sequence[DelayPoint], window_s: float = 10.0) -> dict:
 class DriftFollower:
     """Keeps the far end on the microphone's clock, causally, for a linear echo canceller: it measures the echo's
     delay behind the far end as the two streams arrive (:func:`gcc_phat_delay` over ``window_s`` windows every
-    ``step_s``, while the far end plays), fits the last ``fit_s`` of measurements with a parabola, and hands back
-    the far end delayed by ``reserve`` samples plus how far the echo's delay has moved since the first
-    measurement (a fractional delay: a Hann-windowed sinc of ``TAPS`` taps). So the echo stays where the
-    canceller's filter found it while the speaker's clock wanders against the microphone's.
+    ``step_s``, while the far end plays, and the first ``QUICK_S`` of each reply's echo as soon as it has arrived:
+    over a silence the delay moves where nothing measures it), takes the delay's slope from the last ``fit_s``
+    of measurements and its level from the reply's own (:meth:`delay_now`), and hands back the far end delayed
+    by ``reserve`` samples plus how far the echo's delay has moved since the first measurement (a fractional
+    delay: a Hann-windowed sinc of ``TAPS`` taps). So the echo stays where the canceller's filter found it while
+    the speaker's clock wanders against the microphone's.
 
     The far end is delayed by ``reserve_ms`` from the start, so that an echo that comes sooner (a speaker clock
     faster than the microphone's) can still be followed; where the first measurement finds the echo sooner than
@@ -187,7 +189,7 @@ class DriftFollower:
 
     :param rate: Hz of both streams (16 kHz in the service).
     :param window_s, step_s: each measurement's window and the time between them, s (as :func:`delay_track`).
-    :param fit_s: the measurements fitted, s; past the last one (a silence) the fit's tangent there is followed.
+    :param fit_s: the measurements whose slope is followed, s.
     :param reserve_ms: the far end's delay before the echo has moved, ms.
     """
 
