@@ -75,13 +75,14 @@ def replying_segmenter(cfg, echo) -> VadSegmenter:
     return seg
 
 
-def cancel_and_segment(cfg, mic: np.ndarray, far: np.ndarray, echo=None,
-                       segmenter: Optional[VadSegmenter] = None) -> Iterator[tuple[int, list]]:
+def cancel_and_segment(cfg, mic: np.ndarray, far: np.ndarray, echo=None, segmenter: Optional[VadSegmenter] = None,
+                       quiet: frozenset = frozenset()) -> Iterator[tuple[int, list]]:
     """The listener's microphone path while a reply plays, offline: ``FRAME`` (10 ms) blocks of ``mic`` (float32
     [n], 16 kHz) through the echo canceller with ``far`` (float32 [>= n], what was played) as its far end, then the
     VAD's segmenter. ``echo`` (an :class:`~appliance.audio.echo.EchoCanceller`) defaults to ``from_config(cfg)``
     and ``segmenter`` to :func:`replying_segmenter` on it; pass your own to look at them while the loop runs.
-    Yields (block index, the segmenter's events for that block); an event's ``t_sample`` is its window's first
+    ``quiet``: the first samples of the blocks the canceller gets with ``quiet=True`` (as the live listener
+    marked them: a run's trace, :func:`appliance.audio.tap.read_trace`). Yields (block index, the segmenter's events for that block); an event's ``t_sample`` is its window's first
     sample (the window is 512 samples). Stop iterating whenever you have what you need."""
     from ..audio.echo import from_config
 
@@ -89,4 +90,4 @@ def cancel_and_segment(cfg, mic: np.ndarray, far: np.ndarray, echo=None,
     segmenter = replying_segmenter(cfg, echo) if segmenter is None else segmenter
     for i in range(len(mic) // FRAME):
         sl = slice(i * FRAME, (i + 1) * FRAME)
-        yield i, segmenter.push(echo.process(mic[sl], far[sl]))
+        yield i, segmenter.push(echo.process(mic[sl], far[sl], quiet=i * FRAME in quiet))
