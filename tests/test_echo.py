@@ -986,3 +986,29 @@ def test_the_config_turns_the_drift_follower_and_the_curves_on():
     cfg.echo.follow_drift, cfg.echo.speaker_curve = True, "auto"
     ec = from_config(cfg)
     assert ec._follower is not None and [c[0] for c in ec._curves] == [0.0, 1.5, 3.0]
+
+
+def test_the_offline_loop_hears_a_user_over_the_echo_as_the_listener_would(parts, far_end):
+    """``appliance.bench.audio.cancel_and_segment`` (the dev tools' offline listener): a user 1.5 s into a first
+    reply in the simulated room is heard while they speak and the reply's echo is not (a cold canceller: the AEC3
+    stand-in serves, and holds the user's onset back; measured here, 0.8 s), and the blocks marked ``quiet``
+    reach the canceller so (Speex bypasses them once it has run 3 s and the far end has been silent for its tail)."""
+    from appliance.bench.audio import cancel_and_segment
+    from appliance.bench.interruption import USER_DBFS, active_dbfs, at_level
+
+    user = at_level(fixed_speech(parts.tts, "Wait, I want to ask something else."), USER_DBFS)
+    far = np.concatenate([np.zeros(8000, np.float32), far_end, np.zeros(16000, np.float32)])
+    mic, _ = through_room(far, USER_DBFS - active_dbfs(far_end))
+    at = 8000 + int(1.5 * 16000)
+    mic = mic.copy()
+    mic[at:at + len(user)] += user[:len(mic) - at]
+    on = at + int(np.flatnonzero(np.abs(user) > 1e-2)[0])
+    cfg = Config()
+    onsets = [e.t_sample + 512 for _, events in cancel_and_segment(cfg, mic, far) for e in events if e.kind == "onset"]
+    assert onsets and on - 800 <= onsets[0] <= on + 16000, (onsets, on)
+    ec = from_config(cfg)
+    idle = np.zeros(5 * 16000, np.float32)
+    tail = range(4 * 16000, 5 * 16000, FRAME)
+    for _ in cancel_and_segment(cfg, idle + 1e-3, idle, ec, quiet=frozenset(tail)):
+        pass
+    assert ec.bypassed_frames == len(tail)
