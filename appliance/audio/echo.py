@@ -88,9 +88,9 @@ AEC3 stand-in keeps the far end as played. Offline, the tests' reply three times
 curves too (1.5 chosen), 28.0 with the room's own curve; a linear speaker keeps the linear curve (35.3 -> 36.0).
 On the live JACK room, whose drift wanders (a 60 s sine) over the silences between replies, Speex handed over
 (48 s) and the follower, measuring each reply afresh, kept the echo aligned; but in ten echo-only replies at
-each of 0 and +6 dB 19 of 20 paused on their own voice (6 flushed), ERLE 13.5 dB: on a clipping speaker Speex's
-residual at a reply's start passes the onset gate, tuned on linear rooms (docs/measurements.md, sessions 19 and
-23). Hence off by default.
+each of 0 and +6 dB 19 of 20 paused on their own voice (6 flushed), ERLE 13.5 dB: on that speaker Speex, re-timed
+and curved, still loses the echo for moments (windows where it removed some 5 dB), at reply starts and within
+replies (docs/measurements.md, sessions 19 and 23). Hence off by default.
 
 The stand-in's bypass (:meth:`EchoCanceller.over_echo`). While the stand-in serves through whole replies (Speex
 never converges at +300 ppm with the clipping speaker), AEC3's suppressor, fresh at each reply, took 35-40 dB of a
