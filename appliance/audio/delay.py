@@ -215,7 +215,6 @@ class DriftFollower:
         self.points: list[tuple[float, float]] = []  # (sample at the window's centre, delay in samples)
         self.first: Optional[float] = None  # the first measured delay, samples
         self.reserve = float(int(self._reserve_max))  # the far end's delay at the first measurement, samples
-        self.shift = 0.0  # the delay applied to the last block, samples
         self._silent = int(REPLY_GAP_S * rate)  # samples since the far end last played
         self._reply_start: Optional[int] = None  # sample count at which the far end returned after REPLY_GAP_S
         self._quick_at: Optional[int] = None  # ... and at which that reply's quick measurement is due
@@ -269,27 +268,19 @@ class DriftFollower:
         else:
             self._silent += k
         if self._quick_at is not None and self.n >= self._quick_at:
-            end, w = e - (self.n - self._quick_at), int(QUICK_S * self.rate)
+            self._measure(e - (self.n - self._quick_at), int(QUICK_S * self.rate), e)
             self._quick_at = None
-            got = gcc_phat_delay(self._mic[end - w:end], self._far[end - w - self._lag:end], self._lag, self.rate)
-            if got is not None and got[1] >= MIN_PEAK_RATIO:
-                self.points.append((self.n - (e - end) - w / 2, got[0]))
         while self.n >= self._next:
             end = e - (self.n - self._next)
             self._next += self._step
-            span = self._played[end - self._w - self._lag:end]
-            if span.mean() < self._min_active:
+            if self._played[end - self._w - self._lag:end].mean() < self._min_active:
                 continue
-            got = gcc_phat_delay(self._mic[end - self._w:end], self._far[end - self._w - self._lag:end], self._lag,
-                                 self.rate)
-            if got is None or got[1] < MIN_PEAK_RATIO:
-                continue
-            if self.first is None:
-                self.first = got[0]
-                if got[0] - 2e-3 * self.rate < self.reserve:  # an echo sooner than the reserve: less of it
-                    self.reserve = float(max(got[0] - 2e-3 * self.rate, 0.0))
-            self.points.append((self.n - (e - end) - self._w / 2, got[0]))
-            del self.points[:-int(4 * self._fit / self._step)]
+            got = self._measure(end, self._w, e)
+            if got is not None and self.first is None:
+                self.first = got
+                if got - 2e-3 * self.rate < self.reserve:  # an echo sooner than the reserve: less of it
+                    self.reserve = float(max(got - 2e-3 * self.rate, 0.0))
+        del self.points[:-int(4 * self._fit / self._step)]
         if self.first is None:
             return self._delayed(int(self.reserve), 0.0, k, e)
         if not self._played[e - k - int(2 * self._reserve_max) - self.TAPS:e].any():
@@ -297,10 +288,19 @@ class DriftFollower:
         d = self.delay_now()
         s = float(np.clip(self.reserve + d - self.first, self.TAPS / 2, 2 * self._reserve_max)) \
             if self.reserve >= self.TAPS / 2 else 0.0
-        self.shift = s
         if s == 0.0:
             return far
         return self._delayed(int(np.floor(s)), s - np.floor(s), k, e)
+
+    def _measure(self, end: int, w: int, e: int) -> Optional[float]:
+        """The delay (samples) over the ``w`` samples of the microphone that end at buffer index ``end`` (``e``:
+        where the newest sample is), kept in :attr:`points` if the correlation's peak passes ``MIN_PEAK_RATIO``;
+        None if it does not."""
+        got = gcc_phat_delay(self._mic[end - w:end], self._far[end - w - self._lag:end], self._lag, self.rate)
+        if got is None or got[1] < MIN_PEAK_RATIO:
+            return None
+        self.points.append((self.n - (e - end) - w / 2, got[0]))
+        return got[0]
 
     def _delayed(self, i: int, frac: float, k: int, e: int) -> np.ndarray:
         """The newest ``k`` samples of the far end (ending at buffer index ``e``) delayed by ``i`` + ``frac``

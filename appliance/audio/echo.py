@@ -81,7 +81,7 @@ would bring Speex back on a linear speaker that drifts, but not on one that clip
 
 Both together (``echo.follow_drift`` and ``echo.speaker_curve: auto``, experimental, off by default; session 23,
 measured here): the far end Speex gets is kept on the microphone's clock by
-:class:`appliance.audio.delay.DriftFollower` and passed through a soft-clipping curve (``_curve``), one of
+:class:`appliance.audio.delay.DriftFollower` and passed through a soft-clipping curve (:func:`_curve`), one of
 ``SPEAKER_DRIVES`` chosen by Speex's own residual from a cold start (:meth:`EchoCanceller._try_curves`); the
 AEC3 stand-in keeps the far end as played. Offline, the tests' reply three times through ``clipping_room``
 (``tanh(2x)/2``, +300 ppm): the third reply's ERLE 6.3 dB as played, 20.0 following the drift, 25.7 with the
@@ -523,7 +523,6 @@ class EchoCanceller:
         self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
         # The far end as Speex gets it (_speex_far): re-timed to the microphone's clock, through the speaker's curve.
         self._follower = DriftFollower() if follow_drift and backend == "speex" else None
-        self._aligned = np.zeros(0, dtype=np.float32)  # this call's far end after the follower, before the curve
         self.speaker_drive = float(speaker_drive) if backend == "speex" else 0.0
         # The speaker's curves tried (_try_curves): (drive, its Speex or None for the live one, residual energy).
         self._curves = [[float(d), None if float(d) == self.speaker_drive else _SpeexMdf(*self._speex_args), []]
@@ -582,7 +581,8 @@ class EchoCanceller:
             self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
             self._reply_far = 0
         t0 = time.perf_counter()
-        spk = self._speex_far(need)
+        aligned = self._aligned_far(need)
+        spk = _curve(aligned, self.speaker_drive)
         if bypass:
             out[:] = self._near[:need]
             self._bypassed.extend((self.frames + i, near[i].copy()) for i in range(n))
@@ -595,7 +595,7 @@ class EchoCanceller:
                 sl = slice(i * FRAME, (i + 1) * FRAME)
                 out[sl] = self._impl.frame(self._near[sl], spk[sl])
             if self._curves is not None:
-                self._try_curves(n, out, e_far)
+                self._try_curves(n, out, e_far, aligned)
             if self.reuse_passes and not self.warm:
                 held = self._floor_hold_until
                 self._ring.extend((near[i].copy(), spk[i * FRAME:(i + 1) * FRAME].copy(), float(e_far[i]),
@@ -718,19 +718,17 @@ class EchoCanceller:
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
 
-    def _speex_far(self, need: int) -> np.ndarray:
-        """The far end of the next ``need`` samples as Speex gets it: kept on the microphone's clock by the drift
-        follower (``follow_drift``) and through the speaker's curve ``tanh(d x) / d`` (``speaker_drive`` d > 0),
-        so that what is left between it and the echo is a linear path. float32 [need], 16 kHz."""
+    def _aligned_far(self, need: int) -> np.ndarray:
+        """The far end of the next ``need`` samples kept on the microphone's clock by the drift follower
+        (``follow_drift``; as played without it), float32 [need], 16 kHz: Speex gets it through the speaker's
+        curve (:func:`_curve`), so that what is left between it and the echo is a linear path."""
         far = self._far[:need]
-        if self._follower is not None:
-            far = self._follower.process(self._near[:need], far)
-        self._aligned = far
-        return _curve(far, self.speaker_drive)
+        return far if self._follower is None else self._follower.process(self._near[:need], far)
 
-    def _try_curves(self, n: int, out: np.ndarray, e_far: np.ndarray) -> None:
+    def _try_curves(self, n: int, out: np.ndarray, e_far: np.ndarray, aligned: np.ndarray) -> None:
         """From a cold start, Speex is run with each of ``speaker_drives``' curves on the same frames (``n`` frames
-        of this call; ``out``: the live Speex's output, float32 [n FRAME]; ``e_far``: the far end's frame energies),
+        of this call; ``out``: the live Speex's output, float32 [n FRAME]; ``e_far``: the far end's frame energies;
+        ``aligned``: the far end before the curve, :meth:`_aligned_far`),
         and their residual energies kept over the newest ``CURVE_WINDOW_FAR_FRAMES`` far-active frames. From
         ``CURVE_MIN_FAR_FRAMES`` of them on, a curve whose residual there is ``CURVE_MIN_GAIN_DB`` under the live
         one's takes over (its Speex serves from then on, adapted as long as the live one) and the others are
@@ -742,7 +740,7 @@ class EchoCanceller:
             if c[1] is None:
                 o = out
             else:
-                far = _curve(self._aligned, c[0])
+                far = _curve(aligned, c[0])
                 o = np.concatenate([c[1].frame(near[i * FRAME:(i + 1) * FRAME], far[i * FRAME:(i + 1) * FRAME])
                                     for i in range(n)])
             c[2].extend(_energy(o.reshape(n, FRAME))[active])
