@@ -43,7 +43,13 @@ CONFIG_ERROR_FLASH_S = 4.0
 
 
 class Notifier:
-    """sd_notify(3) over ``$NOTIFY_SOCKET``; silent when not started by systemd."""
+    """sd_notify(3) over ``$NOTIFY_SOCKET``; silent when not started by systemd.
+
+    Sends never block: a datagram the manager's queue has no room for is dropped (and counted in
+    :attr:`dropped`). A blocking send to a full queue (Linux queues 10 unread datagrams per socket by
+    default, ``net.unix.max_dgram_qlen``) would stall the service's main loop, and with it SIGTERM: the
+    handler runs, but the loop never gets back to see it.
+    """
 
     def __init__(self, address: Optional[str] = None):
         address = address if address is not None else os.environ.get("NOTIFY_SOCKET")
@@ -53,19 +59,24 @@ class Notifier:
             self.address = "\0" + address[1:] if address.startswith("@") else address
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._last_status = None
+        self.dropped = 0  # datagrams not sent (the manager's queue full, or no manager there)
 
-    def notify(self, *lines: str) -> None:
+    def notify(self, *lines: str) -> bool:
+        """Send one datagram of ``KEY=value`` lines. Returns whether it was sent."""
         if self._sock is None:
-            return
+            return False
         try:
-            self._sock.sendto("\n".join(lines).encode(), self.address)
-        except OSError as exc:
+            self._sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, self.address)
+            return True
+        except OSError as exc:  # BlockingIOError when the queue is full
+            self.dropped += 1
             log.debug("sd_notify failed: %s", exc)
+            return False
 
     def status(self, text: str) -> None:
-        if text != self._last_status:
+        """``STATUS=text`` when it changed (a dropped one is sent again on the next call)."""
+        if text != self._last_status and self.notify(f"STATUS={text}"):
             self._last_status = text
-            self.notify(f"STATUS={text}")
 
 
 class MuteStore:

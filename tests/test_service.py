@@ -168,6 +168,36 @@ def test_mute_survives_a_restart(tmp_path, fresh_parts, embedded_cfg):
         svc.stop()
 
 
+def test_notify_never_blocks_on_a_manager_that_does_not_read(tmp_path):
+    """A manager that stops reading fills its socket's queue (Linux: 10 datagrams); the service's sends
+    must not block then, or its main loop stalls and SIGTERM is never acted on (CI saw `appliance run`
+    hang on exit this way). Dropped ones are counted, and a dropped status is sent again."""
+    import threading
+
+    from appliance.service import Notifier
+
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    n = Notifier(str(path))
+    done = threading.Event()
+
+    def flood():
+        for _ in range(100):
+            n.notify("WATCHDOG=1")
+        n.status("listening")
+        done.set()
+
+    threading.Thread(target=flood, daemon=True).start()
+    assert done.wait(10), "Notifier.notify blocked on a full queue"
+    got = _recv_until(sock, lambda g: False, 0.3)
+    assert 1 <= len(got) < 100 and n.dropped == 101 - len(got), (len(got), n.dropped)
+    assert all(m == "WATCHDOG=1" for m in got)  # the status was dropped with the queue full...
+    n.status("listening")  # ... so the next call sends it, now that there is room
+    assert _recv_until(sock, lambda g: True, 2) == ["STATUS=listening"]
+    sock.close()
+
+
 def test_run_without_model_waits_in_a_no_model_state_and_loads_when_it_arrives(tmp_path):
     """An image built with --no-models: the service stays up (READY=1, a "no model" status, watchdog
     pings, one journal line with the fix) instead of exiting, and loads the model once it is copied in."""
