@@ -182,6 +182,7 @@ class EchoConfig(_Section):
     onset_gate_db: float = Field(-10.0, ge=-60.0, le=0.0)
     stand_in: bool = True  # speex: WebRTC AEC3 (livekit) serves until Speex has shown convergence
     follow_drift: bool = False  # speex: keep the far end on the microphone's clock (audio/delay.py DriftFollower)
+    follow_gain: bool = True  # speex: a volume step between replies handed to Speex at once (audio/pathgain.py)
     speaker_curve: Literal["linear", "auto"] = "linear"  # speex: auto tries soft-clipping curves from a cold start
 
 

@@ -153,6 +153,7 @@ import numpy as np
 
 from ..errors import UserError
 from .delay import DriftFollower
+from .pathgain import MAX_STEP_DB as GAIN_MAX_DB, EchoGainFollower
 from .files import MODEL_RATE
 
 FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
@@ -393,6 +394,9 @@ class EchoCanceller:
     :param speaker_drive: with Speex, its far end through the speaker's curve ``tanh(d x) / d`` (0: linear).
     :param speaker_drives: with Speex, the drives tried from a cold start (:meth:`_try_curves`; the
         ``speaker_drive`` one serves first; fewer than two: none tried).
+    :param follow_gain: with Speex, the echo path's gain measured at each new reply's start
+        (:class:`~appliance.audio.pathgain.EchoGainFollower`) and a step handed to Speex (:meth:`_speex_frame`,
+        :attr:`echo_scale`, :attr:`gain_steps`); the reply's first ``MEASURE_S`` (150 ms) are held back meanwhile.
     :raises UserError: an unknown backend or its package is missing.
 
     :attr:`trace`: None, or a list that a benchmark sets to have every frame and onset-gate check recorded
@@ -400,7 +404,8 @@ class EchoCanceller:
 
     :meth:`process` takes blocks of any length, float32 mono 16 kHz in [-1, 1], and returns the cancelled
     near end for the complete 10 ms frames buffered so far (so the output lags the input by less than one
-    frame when blocks are not multiples of 10 ms, and not at all when they are). Not thread-safe: one
+    frame when blocks are not multiples of 10 ms, and not at all when they are; with ``follow_gain``, a new
+    reply's first 150 ms come out together once its echo's gain is measured). Not thread-safe: one
     owner (the listener thread) calls it.
     """
 
@@ -409,7 +414,8 @@ class EchoCanceller:
                  skip_idle_bands: bool = True, bypass_idle: bool = True,
                  restart_after_silence_s: Optional[float] = RESTART_SILENCE_S,
                  over_echo_db: Optional[float] = OVER_ECHO_DB, reuse_passes: int = REUSE_PASSES,
-                 follow_drift: bool = False, speaker_drive: float = 0.0, speaker_drives: tuple = ()):
+                 follow_drift: bool = False, speaker_drive: float = 0.0, speaker_drives: tuple = (),
+                 follow_gain: bool = False):
         self._webrtc_args = (noise_suppression, high_pass_filter)
         self._speex_args = (tail_ms, noise_suppression)
         if backend == "webrtc":
@@ -484,6 +490,7 @@ class EchoCanceller:
         self.bypassed_frames = 0
         self._restart_frames = int(round(restart_after_silence_s * MODEL_RATE / FRAME)) if restart_after_silence_s else 0
         self.restarts = 0  # AEC3 restarts after a silence (see _restart_due)
+        self.gain_steps: list[tuple[int, float]] = []  # (frame, dB) of each echo gain step handed to Speex (follow_gain)
         self._restart_pending = False  # a restart of the stand-in is due when it is next fed
         # The stand-in's bypass (over_echo): the echo the far end predicts, band by band, while the stand-in may serve.
         self.over_echo_db = over_echo_db
@@ -523,6 +530,11 @@ class EchoCanceller:
         self._oe_over: list[Optional[float]] = []  # traced: per frame of this call, over_db (trace_rows)
         # The far end as Speex gets it (_speex_far): re-timed to the microphone's clock, through the speaker's curve.
         self._follower = DriftFollower() if follow_drift and backend == "speex" else None
+        # The echo path's gain since Speex adapted (follow_gain): a volume step between replies, measured at the new
+        # reply's start (pathgain.py), is handed to Speex by scaling what it gets (see _speex_frame).
+        self._gain = EchoGainFollower() if follow_gain and backend == "speex" else None
+        self.echo_scale = 1.0
+        self._gain_fed = 0  # samples of the buffered microphone already given to the gain follower
         self.speaker_drive = float(speaker_drive) if backend == "speex" else 0.0
         # The speaker's curves tried (_try_curves): (drive, its Speex or None for the live one, residual energy).
         self._curves = [[float(d), None if float(d) == self.speaker_drive else _SpeexMdf(*self._speex_args), []]
@@ -563,6 +575,16 @@ class EchoCanceller:
         need = n * FRAME
         if len(self._far) < need:
             self._far = np.concatenate([self._far, np.zeros(need - len(self._far), dtype=np.float32)])
+        if self._gain is not None:
+            g = self._gain.push(self._near[self._gain_fed:need], self._far[self._gain_fed:need])
+            self._gain_fed = need
+            if g is not None and abs(20.0 * np.log10(self.echo_scale * g)) <= GAIN_MAX_DB:
+                self.echo_scale *= g
+                self.gain_steps.append((self.frames, round(20.0 * np.log10(g), 2)))
+                del self.gain_steps[:-64]
+            if self._gain.measuring:
+                return np.zeros(0, dtype=np.float32)  # a new reply's start, held back until its echo's gain is known
+            self._gain_fed = 0  # (every frame buffered is processed below)
         out = np.empty(need, dtype=np.float32)
         near, far = self._near[:need].reshape(n, FRAME), self._far[:need].reshape(n, FRAME)
         e_far = _energy(far)
@@ -593,7 +615,7 @@ class EchoCanceller:
                 self._rewarm()
             for i in range(n):
                 sl = slice(i * FRAME, (i + 1) * FRAME)
-                out[sl] = self._impl.frame(self._near[sl], spk[sl])
+                out[sl] = self._speex_frame(self._near[sl], spk[sl])
             if self._curves is not None:
                 self._try_curves(n, out, e_far, aligned)
             if self.reuse_passes and not self.warm:
@@ -718,6 +740,19 @@ class EchoCanceller:
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
 
+    def _speex_frame(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
+        """One 10 ms frame through the live canceller, with the echo path's gain since it adapted
+        (:attr:`echo_scale`, ``follow_gain``) taken out: an echo ``s`` times louder is met by the microphone divided
+        by ``s`` (and the output multiplied back), a quieter one by the far end times ``s``, so that neither input
+        grows (Speex takes 16-bit samples: a far end doubled clipped, measured here, offline, and left 21-33 dB of
+        ERLE over the first second after a +6 dB step where the microphone halved left 37-41)."""
+        s = self.echo_scale
+        if s == 1.0:
+            return self._impl.frame(near, far)
+        if s > 1.0:
+            return self._impl.frame(near / s, far) * s
+        return self._impl.frame(near, far * s)
+
     def _aligned_far(self, need: int) -> np.ndarray:
         """The far end of the next ``need`` samples kept on the microphone's clock by the drift follower
         (``follow_drift``; as played without it), float32 [need], 16 kHz: Speex gets it through the speaker's
@@ -841,7 +876,7 @@ class EchoCanceller:
         frames, near = zip(*self._bypassed)
         self._bypassed = []
         zero = np.zeros(FRAME, dtype=np.float32)
-        outs = np.stack([self._impl.frame(x, zero) for x in near])
+        outs = np.stack([self._speex_frame(x, zero) for x in near])
         e_in, e_out = _energy(np.stack(near)), _energy(outs)
         _never_louder(outs, e_out, e_in)  # (the lists keep the energy before it, the bands after it)
         unbanded = {f: k for k, (f, _, _) in enumerate(self._unbanded)}
@@ -1869,4 +1904,5 @@ def from_config(cfg, record: bool = False) -> Optional[EchoCanceller]:
         return None
     return EchoCanceller(e.backend, noise_suppression=e.noise_suppression, high_pass_filter=e.high_pass_filter,
                          record=record, gate_db=e.onset_gate_db, stand_in=e.stand_in, follow_drift=e.follow_drift,
+                         follow_gain=e.follow_gain,
                          speaker_drives=SPEAKER_DRIVES if e.speaker_curve == "auto" else ())
