@@ -206,6 +206,10 @@ def test_turn_taker_duration_rule_and_classifier():
     assert tt.at_end(300.0, None, None) == BargeInDecision.RESUME
     assert TurnTaker(700.0, Says(BargeInDecision.INTERRUPT)).at_end(300.0, None, None) == BargeInDecision.INTERRUPT
     assert TurnTaker(700.0, Says(None)).at_end(300.0, None, None) == BargeInDecision.RESUME
+    # A stop word in a burst too short to be one (a door slam's 80 ms, heard as "pause" on the JACK room) resumes;
+    # the shortest stop commands there held 192 ms of speech.
+    assert TurnTaker(700.0, Says(BargeInDecision.INTERRUPT)).at_end(80.0, None, None) == BargeInDecision.RESUME
+    assert TurnTaker(700.0, Says(BargeInDecision.INTERRUPT)).at_end(192.0, None, None) == BargeInDecision.INTERRUPT
 
 
 def test_segmenter_short_end_while_interjecting_and_gate(utterances):
