@@ -744,8 +744,8 @@ class EchoCanceller:
         """One 10 ms frame through the live canceller, with the echo path's gain since it adapted
         (:attr:`echo_scale`, ``follow_gain``) taken out: an echo ``s`` times louder is met by the microphone divided
         by ``s`` (and the output multiplied back), a quieter one by the far end times ``s``, so that neither input
-        grows (Speex takes 16-bit samples: a far end doubled clipped, measured here, offline, and left 21-33 dB of
-        ERLE over the first second after a +6 dB step where the microphone halved left 37-41)."""
+        grows (Speex takes 16-bit samples: a far end doubled clipped, measured here, offline, and left 21-28 dB of
+        ERLE over the first second after a +6 dB step where the microphone halved left 38-40)."""
         s = self.echo_scale
         if s == 1.0:
             return self._impl.frame(near, far)

@@ -5,7 +5,7 @@ What it is for: the echo's level at the microphone follows whatever sits after t
 a speaker's own volume knob, an ALSA mixer, the amplifier. When it steps between two replies, Speex's adapted filter
 is 6 dB off for a 6 dB step, and Speex takes seconds to re-learn it: measured here, offline (the simulated room,
 two fixed Piper replies then a third after a 2 s gap, echo 6 dB up or down from the gap on), the third reply's ERLE
-over its first second was 10-26 dB against 39 without a step, and 4 of 8 such replies paused on their own voice
+over its first second was 10-26 dB against 38-40 without a step, and 4 of 8 such replies paused on their own voice
 (0.14-0.26 s in). Told the step, Speex cancels as before at once: 34-41 dB over the first second, no pause
 (docs/measurements.md, session 24). The JACK room's suite steps the echo by 6 dB between many of its cases (each
 case sets the room's echo to 0 or +6 dB over the user), which is where its short stops' and backchannels' ERLE of
