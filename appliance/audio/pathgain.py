@@ -29,6 +29,8 @@ from typing import Optional
 import numpy as np
 from scipy.signal import fftconvolve
 
+from .files import MODEL_RATE
+
 N = 4096  # samples per analysis window (256 ms at 16 kHz): long next to the echo's delay, so that a window of the
 #   microphone holds the echo of most of the far end's window (a 1024-sample window at a 30 ms delay explained 2-4 %
 #   of the microphone's energy, measured here on white noise; this one 86 %)
@@ -68,7 +70,7 @@ class EchoGainFollower:
     def __init__(self):
         self._win = np.hanning(N).astype(np.float32)
         self._taper = _lag_taper(N, TAPS)
-        self._a = float(np.exp(-HOP / (FORGET_S * 16000)))
+        self._a = float(np.exp(-HOP / (FORGET_S * MODEL_RATE)))
         self._mic = np.zeros(N, np.float32)  # the newest N samples of each stream
         self._far = np.zeros(N, np.float32)
         self._sxy: Optional[np.ndarray] = None
@@ -110,7 +112,7 @@ class EchoGainFollower:
         if self._measure is not None:
             self._measure[1].append(mic)
             self._measure[2].append(far)
-            return self._finish() if len(self._measure[1]) * FRAME >= int(MEASURE_S * 16000) else None
+            return self._finish() if len(self._measure[1]) * FRAME >= int(MEASURE_S * MODEL_RATE) else None
         self._since_hop += FRAME
         if self._since_hop >= HOP and active:
             self._since_hop = 0
