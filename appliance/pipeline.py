@@ -126,7 +126,7 @@ class Listener:
         from .audio.tap import AudioTap
 
         self._handovers = 0  # the canceller's hand-overs logged (EchoCanceller.handovers)
-        self._gain_logged = None  # the canceller's last echo gain step logged (EchoCanceller.gain_steps)
+        self._gain_logged = None  # the canceller's last echo gain measurement logged (EchoCanceller.gain_measurements)
         self.tap = AudioTap.from_env()  # a benchmark's tap on every block (APPLIANCE_AUDIO_TAP), else None
         self._pushed = 0  # samples the VAD has been given (the tap's clock)
         self._echo_base = 0  # ... when the canceller was bound (its frame 0)
@@ -242,11 +242,16 @@ class Listener:
             if getattr(self.echo, "handovers", 0) != self._handovers:  # the stand-in gave the VAD over to Speex
                 self._handovers = self.echo.handovers
                 log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)
-            steps = getattr(self.echo, "gain_steps", None)
-            if steps and steps[-1] is not self._gain_logged:  # a volume step measured and handed to Speex
+            steps = getattr(self.echo, "gain_measurements", None)
+            if steps and steps[-1] is not self._gain_logged:  # the echo's gain measured at a new reply's start
                 self._gain_logged = steps[-1]
-                log.info("echo canceller: the echo's level stepped %+.1f dB since the last reply (handed to Speex)",
-                         steps[-1][1])
+                _, step_db, fit, applied = steps[-1]
+                if applied:
+                    log.info("echo canceller: the echo's level stepped %+.1f dB since the last reply (handed to Speex;"
+                             " fit %.2f)", step_db, fit)
+                else:
+                    log.debug("echo canceller: the echo's level measured %+.1f dB from the last reply (fit %.2f; "
+                              "left to Speex)", step_db, fit)
         if self.tap is not None:
             self.tap.write(near, far, mic)
         wake = self.wake

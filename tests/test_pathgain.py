@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from appliance.audio.echo import FRAME, EchoCanceller, erle_db
-from appliance.audio.pathgain import MEASURE_S, MIN_STEP_DB, EchoGainFollower
+from appliance.audio.pathgain import MAX_STEP_DB, MEASURE_S, MIN_STEP_DB, EchoGainFollower
 from appliance.bench.audio import fixed_speech, through_room
 
 RATE = 16000
@@ -60,6 +60,23 @@ def test_a_user_over_the_replys_start_is_not_taken_for_a_step(parts, replies):
     assert all(g is None for g in got), f.steps
     (_, measured_db, fit, ok), = f.steps  # it was measured, and left alone
     assert not ok and (fit < 0.5 or abs(measured_db) < 2.0), f.steps
+
+
+def test_steps_that_would_take_the_total_past_its_bound_are_refused(replies):
+    """Four +6 dB steps in a row: the first three are applied (+18 dB), the fourth would make +24 dB, more than any
+    volume knob's step from where Speex adapted (MAX_STEP_DB), and is measured but left alone."""
+    far, start = replies
+    gap_and_second = far[start - RATE * 3 // 2:]
+    far = np.concatenate([far] + [gap_and_second] * 3)
+    mic, _ = through_room(far, -20.0)  # (quiet enough that +24 dB does not clip)
+    mic = mic.copy()
+    for k in range(4):  # each reply after the first 6 dB louder than the one before
+        mic[start + k * len(gap_and_second) - RATE // 2:] *= 10 ** (6.0 / 20)
+    f = EchoGainFollower()
+    got = [f.push(mic[i : i + FRAME], far[i : i + FRAME]) for i in range(0, len(mic) - FRAME + 1, FRAME)]
+    assert [round(db) for _, db, _, _ in f.steps] == [6, 6, 6, 6], f.steps
+    assert [ok for *_, ok in f.steps] == [True, True, True, False]
+    assert sum(g is not None for g in got) == 3 and abs(f.total_db - 18.0) < 1.0 and f.total_db < MAX_STEP_DB
 
 
 @pytest.mark.parametrize("step_db", [6.0, -6.0])

@@ -153,7 +153,7 @@ import numpy as np
 
 from ..errors import UserError
 from .delay import DriftFollower
-from .pathgain import MAX_STEP_DB as GAIN_MAX_DB, EchoGainFollower
+from .pathgain import EchoGainFollower
 from .files import MODEL_RATE
 
 FRAME = 160  # 10 ms at 16 kHz: the frame both libraries require
@@ -578,7 +578,7 @@ class EchoCanceller:
         if self._gain is not None:
             g = self._gain.push(self._near[self._gain_fed:need], self._far[self._gain_fed:need])
             self._gain_fed = need
-            if g is not None and abs(20.0 * np.log10(self.echo_scale * g)) <= GAIN_MAX_DB:
+            if g is not None:  # (the follower keeps the steps' total within its MAX_STEP_DB)
                 self.echo_scale *= g
                 self.gain_steps.append((self.frames, round(20.0 * np.log10(g), 2)))
                 del self.gain_steps[:-64]
@@ -739,6 +739,13 @@ class EchoCanceller:
         # A far end that runs ahead of the near end (device clocks differ) is kept at most 200 ms.
         self._far = self._far[need:][-int(0.2 * MODEL_RATE):]
         return out
+
+    @property
+    def gain_measurements(self) -> list:
+        """Every echo gain measurement at a new reply's start (``follow_gain``; empty without it), oldest first,
+        the last 64: (samples fed to the follower, step dB, fit 0-1, applied), as
+        :attr:`appliance.audio.pathgain.EchoGainFollower.steps`."""
+        return self._gain.steps if self._gain is not None else []
 
     def _speex_frame(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
         """One 10 ms frame through the live canceller, with the echo path's gain since it adapted
