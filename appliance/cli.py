@@ -464,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--echo-only", type=int, default=0, metavar="N",
                     help="--room jack: only N echo-only replies at 0 dB and N at +6 dB, every pause counted")
     sp.add_argument("--jack-rate", type=int, default=48000, help="--room jack: the JACK server's rate, Hz")
-    sp.add_argument("--jack-period", type=int, default=1024, help="--room jack: frames per JACK period")
+    sp.add_argument("--jack-period", type=int, default=512, help="--room jack: frames per JACK period (default 512, "
+                    "10.7 ms at 48 kHz: a Pi's 10 ms blocks)")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
 
@@ -481,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drift-ppm", type=float, default=0.0, help="the room's speaker clock drift, ppm")
     sp.add_argument("--speaker", choices=("linear", "clip"), default="linear", help="the room's speaker")
     sp.add_argument("--jack-rate", type=int, default=48000, help="the JACK server's rate, Hz")
-    sp.add_argument("--jack-period", type=int, default=1024, help="frames per JACK period")
+    sp.add_argument("--jack-period", type=int, default=512, help="frames per JACK period (default 512)")
     common(sp, embedded=False)
     sp.set_defaults(func=cmd_bench_idle_cpu)
 

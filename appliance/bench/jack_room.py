@@ -6,14 +6,13 @@ How it runs:
 1. A JACK server of its own: ``jackd -n appliance-room<rate> --no-realtime -d dummy -r RATE -p PERIOD``
    (a dummy driver: no sound card, callbacks paced in real time), started unless one of that name is
    up, and stopped at the end if started here. The shared default server is never touched. The period
-   (``--jack-period``, 1024 frames by default) sets the output's latency: the fade and two periods, 8 + 2 x 21.3
-   = 51 ms at 1024; 512 frames (10.7 ms, what the worker gets from a Pi's ALSA with its 10 ms blocks) gives
-   8 + 2 x 10.7 = 29 ms (*projected* on a Pi: 8 + 2 x 10 = 28 ms; measured here 17.5-29.1 ms, 0 room underruns
-   in 6 runs). Why the default stays 1024 (measured here, +300 ppm, clipping speaker): in both runs at 512 with
-   the machine otherwise idle, Speex took over from the AEC3 stand-in within the first replies and then let
-   the echo through (ERLE 4-29 dB a reply, 12 of 12 echo-only replies paused), which none of this session's 4
-   runs at 1024 showed (session 10 saw it once at 1024). A Pi would meet the same, so 512 is the period to use
-   once the hand-over holds at +300 ppm (docs/measurements.md, session 11).
+   (``--jack-period``, :data:`DEFAULT_PERIOD` = 512 frames by default) sets the output's latency: the fade and
+   two periods, 8 + 2 x 10.7 = 29 ms at 512 (10.7 ms, what the worker gets from a Pi's ALSA with its 10 ms
+   blocks: *projected* on a Pi 8 + 2 x 10 = 28 ms; measured here 24-35 ms, the output part of session 25's
+   full runs), 8 + 2 x 21.3 = 51 ms at 1024 (measured 46-57 ms). The default was 1024 until session 25: at
+   512 in session 11 (+300 ppm, clipping speaker) Speex took over from the AEC3 stand-in and then let the echo
+   through. In session 25's full runs at 512 the stand-in served throughout on that speaker, and neither room
+   paused on its own voice (docs/measurements.md).
 2. The room: a JACK client on it (``--drift-ppm``, ``--speaker clip|linear``), echo path as the simulated
    room's (30 ms, RT60 150 ms synthetic IR), user speech from the simulated bench's cache.
 3. The service: ``python -m appliance -v run --config <generated>`` as a subprocess, its
@@ -94,6 +93,9 @@ HANDOVER_TAG = "Speex took over from the stand-in at audio_t "  # appliance.pipe
 
 # --- the JACK server ---
 
+DEFAULT_PERIOD = 512  # frames per JACK period, the rooms' default (see the module's notes)
+
+
 class JackServer:
     """A named JACK dummy server of our own (started unless already up; stopped only if started here).
 
@@ -102,7 +104,7 @@ class JackServer:
     :raises UserError: jackd is not installed or the server does not come up in 10 s.
     """
 
-    def __init__(self, name: str, rate: int = 48000, period: int = 1024):
+    def __init__(self, name: str, rate: int = 48000, period: int = DEFAULT_PERIOD):
         self.name, self.rate, self.period = name, int(rate), int(period)
         self.proc: Optional[subprocess.Popen] = None
 
@@ -697,7 +699,7 @@ def write_summary(summary: dict, json_path: Optional[Path], print_line: Callable
 
 
 def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = False, drift_ppm: float = 0.0,
-        speaker: str = "linear", echo_only: int = 0, rate: int = 48000, period: int = 1024,
+        speaker: str = "linear", echo_only: int = 0, rate: int = 48000, period: int = DEFAULT_PERIOD,
         idle_s: Optional[float] = None, print_line: Callable[[str], None] = print,
         server_name: Optional[str] = None) -> dict:
     """Run the suite in the JACK room through the service; print a line per scenario and the summary;
@@ -771,7 +773,7 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
 # --- idle CPU alone ---
 
 def idle(cfg: Config, json_path: Optional[Path], seconds: float = 30.0, runs: int = 3, drift_ppm: float = 0.0,
-         speaker: str = "linear", rate: int = 48000, period: int = 1024, settle_s: float = 3.0,
+         speaker: str = "linear", rate: int = 48000, period: int = DEFAULT_PERIOD, settle_s: float = 3.0,
          print_line: Callable[[str], None] = print, server_name: Optional[str] = None) -> dict:
     """``appliance bench idle-cpu``: the service started as ``bench interruption --room jack`` starts it (its
     own JACK server, the room as its sound device, the tiny Gemma 4 fixture), nothing played and nobody
