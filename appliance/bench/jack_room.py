@@ -9,10 +9,10 @@ How it runs:
    (``--jack-period``, :data:`DEFAULT_PERIOD` = 512 frames by default) sets the output's latency: the fade and
    two periods, 8 + 2 x 10.7 = 29 ms at 512 (10.7 ms, what the worker gets from a Pi's ALSA with its 10 ms
    blocks: *projected* on a Pi 8 + 2 x 10 = 28 ms; measured here 24-35 ms, the output part of session 25's
-   full runs), 8 + 2 x 21.3 = 51 ms at 1024 (measured 46-57 ms). The default was 1024 until session 25: at
-   512 in session 11 (+300 ppm, clipping speaker) Speex took over from the AEC3 stand-in and then let the echo
-   through. In session 25's full runs at 512 the stand-in served throughout on that speaker, and neither room
-   paused on its own voice (docs/measurements.md).
+   full runs), 8 + 2 x 21.3 = 51 ms at 1024 (measured 46-57 ms). The default was 1024 until session 25, because
+   at 512 on the clipping, drifting speaker Speex took over from the AEC3 stand-in and then let the echo through
+   (session 11). It still can (session 25's ``--echo-only 50`` there: 93 of 99 replies paused); 1024 only made it
+   rarer, and a Pi's blocks are like 512, so the room now runs as the Pi would (docs/measurements.md).
 2. The room: a JACK client on it (``--drift-ppm``, ``--speaker clip|linear``), echo path as the simulated
    room's (30 ms, RT60 150 ms synthetic IR), user speech from the simulated bench's cache.
 3. The service: ``python -m appliance -v run --config <generated>`` as a subprocess, its
