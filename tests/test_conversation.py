@@ -120,7 +120,9 @@ def test_barge_in_pauses_then_flushes_and_keeps_only_spoken_text(session):
     interrupt_the_reply(s, rec, "Tell me about rainbows.", after_s=0.4)
     assert s.playback.paused
     s.conversation.post("vad_progress", speech_ms=800.0)  # longer than backchannel_max_ms: an interruption
-    rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs))
+    # (the flush is recorded before the state goes back to listening: wait for both)
+    rec.wait_for(lambda rs: any(r["event"] == "flushed" for r in rs)
+                 and [r["state"] for r in rs if r["event"] == "state"][-1:] == ["listening"])
     flushed = [r for r in rec.records if r["event"] == "flushed"][0]
     assert rec.states()[-3:] == ["speaking", "interrupted", "listening"]
     assert s.engine_worker.sync()  # the engine thread commits after the cancel
