@@ -126,6 +126,7 @@ class Listener:
         from .audio.tap import AudioTap
 
         self._handovers = 0  # the canceller's hand-overs logged (EchoCanceller.handovers)
+        self._handbacks = 0  # ... and its hand-backs (EchoCanceller.handbacks)
         self._gain_logged = None  # the canceller's last echo gain measurement logged (EchoCanceller.gain_measurements)
         self.tap = AudioTap.from_env()  # a benchmark's tap on every block (APPLIANCE_AUDIO_TAP), else None
         self._pushed = 0  # samples the VAD has been given (the tap's clock)
@@ -242,6 +243,11 @@ class Listener:
             if getattr(self.echo, "handovers", 0) != self._handovers:  # the stand-in gave the VAD over to Speex
                 self._handovers = self.echo.handovers
                 log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)
+            if getattr(self.echo, "handbacks", 0) != self._handbacks:  # Speex lost the echo: the stand-in again
+                self._handbacks = self.echo.handbacks
+                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over the last 2 s of reply, what "
+                            "it left following the far end at r %.2f); the stand-in serves again from audio_t %.3f s",
+                            *self.echo.lost, self._n / MODEL_RATE)
             steps = getattr(self.echo, "gain_measurements", None)
             if steps and steps[-1] is not self._gain_logged:  # the echo's gain measured at a new reply's start
                 self._gain_logged = steps[-1]

@@ -135,10 +135,45 @@ def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(
     lines = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
     assert lines == ["echo canceller: Speex took over from the stand-in at audio_t 0.090 s"]
     svc = ServiceUnderTest.__new__(ServiceUnderTest)
-    svc.records, svc.handovers, svc.state, svc._lock = [], [], "listening", threading.Lock()
+    svc.records, svc.handovers, svc.handbacks, svc.state, svc._lock = [], [], [], "listening", threading.Lock()
     svc.take("2026-12-01 17:00:00,000 INFO appliance.pipeline: " + lines[0] + "\n", 1.0)
     svc.take('2026-12-01 17:00:00,000 DEBUG appliance.service: {"t": 1.5, "event": "state", "state": "speaking"}\n', 2.0)
     assert svc.handovers == [0.09] and svc.state == "speaking" and len(svc.records) == 1
+
+
+def test_a_hand_back_to_the_stand_in_is_logged_and_read_by_the_jack_bench(caplog):
+    """Where Speex loses the echo after the hand-over (EchoCanceller._watch_loss), the listener warns once, with
+    the figures that decided and the audio time, and the JACK bench reads it into ``echo_hand_back``."""
+    import logging
+    import threading
+
+    from appliance.bench.jack_room import ServiceUnderTest
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    class Echo:  # the canceller's interface the listener uses; hands over at its second call, back at its fourth
+        handovers = handbacks = calls = 0
+        lost = None
+
+        def process(self, mic, far, quiet=False):
+            self.calls += 1
+            self.handovers = int(self.calls >= 2)
+            self.handbacks = int(self.calls >= 4)
+            self.lost = (14.2, 0.61) if self.handbacks else None
+            return mic
+
+    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=Echo())
+    with caplog.at_level(logging.INFO, logger="appliance.pipeline"):
+        for _ in range(6):
+            listener._process(np.zeros(480, np.float32), np.zeros(480, np.float32))
+    lines = [r.getMessage() for r in caplog.records if "lost the echo" in r.getMessage()]
+    assert lines == ["echo canceller: Speex lost the echo (median ERLE 14.2 dB over the last 2 s of reply, what it "
+                     "left following the far end at r 0.61); the stand-in serves again from audio_t 0.120 s"]
+    assert [r.levelname for r in caplog.records if "lost the echo" in r.getMessage()] == ["WARNING"]
+    svc = ServiceUnderTest.__new__(ServiceUnderTest)
+    svc.records, svc.handovers, svc.handbacks, svc.state, svc._lock = [], [], [], "listening", threading.Lock()
+    svc.take("2026-12-07 17:00:00,000 WARNING appliance.pipeline: " + lines[0] + "\n", 1.0)
+    assert svc.handbacks == [0.12] and svc.handovers == [] and not svc.records
 
 
 def test_the_trace_beside_the_tap_holds_every_vad_window_and_canceller_frame_on_the_taps_clock(tmp_path, monkeypatch):

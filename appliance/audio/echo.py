@@ -34,10 +34,13 @@ converged is cold (:meth:`EchoCanceller.is_cold`) and, before the first converge
 Speex onset gate. Until every band has converged (:meth:`EchoCanceller.converged`), WebRTC AEC3 stands in
 (:attr:`EchoCanceller.stand_in_active`): it processes the same frames and serves the VAD and the gate; its
 suppressor keeps our echo out from its first frame, and holds back a user's onset. Then Speex takes over
-for good, once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRAMES``) and only within the first
+once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRAMES``) and only within the first
 20 s of far end (``HANDOVER_DEADLINE_FAR_FRAMES``): on a drifting, clipping speaker the floors look converged for
 moments, and Speex taken over at such a moment passed its own echo (sessions 16-17, docs/measurements.md); a path it
-has not learnt by then keeps the stand-in. A new echo path (a device reopened, a reload) gets a new canceller.
+has not learnt by then keeps the stand-in. And where Speex loses the echo after the hand-over (the median ERLE
+of its newest 2 s of reply under 20 dB, and what it leaves following the far end's level), the stand-in serves
+again, for good (:meth:`EchoCanceller._watch_loss`).
+A new echo path (a device reopened, a reload) gets a new canceller.
 A first reply too short for Speex to converge on (1-1.5 s) is not wasted: in the silence after it, a second
 Speex adapts on it and its echo three times over, and where the floors of a fourth pass show convergence it serves,
 with the strict gate of the hand-over's first seconds, in AEC3's place from the next reply's first frame until the
@@ -221,6 +224,18 @@ HANDOVER_DEADLINE_FAR_FRAMES = 2000  # ... and only within this many far-active 
 #   cannot model: the stand-in serves on, until the next new echo path (a device reopened, a reload). Counted
 #   over the far-active frames that stayed in the floors: those of a user's onset, which the gate passed, do not
 #   count (_keep_onset_out), so an owner who barges in on every early reply does not use it up.
+LOST_FRAMES = 200  # Speex lost the echo (EchoCanceller._watch_loss): judged over its newest this many far-active frames
+#   (2 s) after the hand-over, a passed onset's too (unlike the floors: the echo that passes the gate is the evidence) ...
+LOST_ERLE_DB = 20.0  # ... where the median of their per-frame ERLE (microphone over Speex's output, 10 ms) is under
+#   this (a converged Speex: 30-38 dB on the JACK room at 0 ppm) ...
+LOST_CORR = 0.5  # ... and the level of Speex's output follows the far end's: the correlation of their per-frame dB, the
+#   far end the loudest of OVER_ECHO_DELAY_FRAMES earlier (its echo), at least this. What is left is then our own
+#   echo, not a user or a noise over it (those leave the median under 20 dB too, but do not follow the far end).
+#   Measured here, offline, on session 25's taps of the 48 kHz JACK room: where Speex had handed over on the
+#   drifting, clipping speaker (+300 ppm) and lost the echo 1.4 s later, windows with the median under 20 dB
+#   followed the far end at 0.60-0.78 (p5-p95), and the test held 3.6 s after the hand-over; at 0 ppm (two full
+#   suites, one 50-reply echo-only run, 6400 windows) the median went under 20 dB only under the bell's and the
+#   music's noise over a reply, following the far end at 0.27 at most: never both.
 SPEAKER_DRIVES = (0.0, 1.5, 3.0)  # the speaker's curves tried from a cold start (speaker_drive; 0: linear; see _try_curves)
 CURVE_WINDOW_FAR_FRAMES = 200  # ... their residuals compared over the newest 2 s of far-active frames ...
 CURVE_MIN_FAR_FRAMES = 300  # ... from 3 s of them on ...
@@ -433,6 +448,11 @@ class EchoCanceller:
         self.stand_in_frames = 0  # frames the stand-in's output went to the VAD
         self.handovers = 0  # stand-in -> Speex hand-overs
         self.handover_frame: Optional[int] = None  # the first frame (10 ms, counted from this canceller's first) Speex served
+        self.handbacks = 0  # Speex -> stand-in hand-backs, once Speex lost the echo (_watch_loss): at most one
+        self.handback_frame: Optional[int] = None  # the first frame (as handover_frame) the stand-in served again
+        self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, correlation) of the windows that handed back
+        self._loss: list[tuple[float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE dB,
+        #   Speex's output dB, the far end's dB OVER_ECHO_DELAY_FRAMES earlier); see _watch_loss
         self.warm = backend == "webrtc"  # Speex starts cold (see _update_mode)
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
@@ -678,6 +698,10 @@ class EchoCanceller:
                 self._deadline_far += 1
             if self._ratio_far[-1] >= FAR_ACTIVE * FRAME:
                 self._reply_far += 1
+                if self.warm and self._stand_in_ready:
+                    lo, hi = OVER_ECHO_DELAY_FRAMES
+                    self._loss.append((_ratio_db(e_in[i], e_out[i]), _ratio_db(e_out[i], FRAME),
+                                       _ratio_db(max(self._ratio_far[-hi:-lo], default=0.0), FRAME)))
             self._follow_tail(float(e_in[i]), float(e_far[i]), b_in[i])
             if b_far is None:
                 continue  # the bands' floors only decide the hand-over, which is done
@@ -699,6 +723,8 @@ class EchoCanceller:
         for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out, *self._lt_band_in,
                     *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
+        if self._loss:
+            self._watch_loss()
         self._update_mode(n, grew)
         if self.reuse_passes:
             t0 = time.perf_counter()
@@ -987,14 +1013,15 @@ class EchoCanceller:
     def _update_mode(self, n: int, grew: bool = True) -> None:
         """Hand over from the stand-in to Speex once :meth:`converged` has held through ``HANDOVER_FAR_FRAMES``
         far-active frames in a row, begun within the first ``HANDOVER_DEADLINE_FAR_FRAMES`` kept in the floors
-        (from this call's frames on: :attr:`handover_frame`), for good: from then on the converged onset gate
-        keeps Speex's residual out. (Not back: a user talking over the reply raises
-        the measured floors for seconds, and sending the VAD back to AEC3 then held back the next barge-in,
-        measured here. A new echo path gets a new canceller: a device reopened, a reload.) ``grew``: a band's
+        (from this call's frames on: :attr:`handover_frame`): from then on the converged onset gate keeps Speex's
+        residual out. Not back on the floors (a user talking over the reply raises them for seconds, and sending
+        the VAD back to AEC3 then held back the next barge-in, measured here), only where Speex's residual is our
+        own echo (:meth:`_watch_loss`), and then never over again. A new echo path gets a new canceller: a device
+        reopened, a reload. ``grew``: a band's
         floor took a frame in this call (convergence is asked only then: nothing else moves it)."""
         if self.warm:
             return
-        if grew and self._deadline_far <= HANDOVER_DEADLINE_FAR_FRAMES + HANDOVER_FAR_FRAMES:
+        if grew and not self.handbacks and self._deadline_far <= HANDOVER_DEADLINE_FAR_FRAMES + HANDOVER_FAR_FRAMES:
             if not self.converged():
                 self._converged_far = None
             elif self._converged_far is None:
@@ -1011,6 +1038,39 @@ class EchoCanceller:
                                                gate_db=self.gate_db, stand_in=False, restart_after_silence_s=None)
             except UserError:
                 self._stand_in_ready = False  # no livekit: cold windows are refused by the onset gate
+
+    def _watch_loss(self) -> None:
+        """After the hand-over, hand back to the stand-in where Speex has lost the echo: over its newest
+        ``LOST_FRAMES`` far-active frames (2 s), the median per-frame ERLE is under
+        ``LOST_ERLE_DB`` (20 dB) and the level of what it leaves follows the far end's (their per-frame dB
+        correlated at ``LOST_CORR``, 0.5, or more): our own echo gets through, not a user or a noise over the
+        reply. From this call's frames on the stand-in serves (:attr:`handback_frame`), a new AEC3 as after a
+        start, for good: no further hand-over nor data reuse on this echo path (a new one gets a new canceller),
+        as for a path Speex never learnt within the hand-over's deadline. Speex learns on beside it.
+
+        Why: the floors can look converged for a moment on a path Speex cannot model. On the 48 kHz JACK room
+        with the drifting (+300 ppm, a 60 s wander), clipping speaker, Speex handed over 45 s into a 50-reply
+        echo-only run (session 25), its echo's delay then slid, and 93 of 99 replies paused on their own voice
+        (42 flushed), ERLE 13.3 dB. (Session 16 handed back when the floors rose: a user talking over a reply
+        raises them too, and the next barge-in was held back by the stand-in.) See ``LOST_CORR`` for the
+        figures behind the test."""
+        del self._loss[:-LOST_FRAMES]
+        if len(self._loss) < LOST_FRAMES or not self.warm:
+            return
+        erle, out_db, far_db = np.array(self._loss).T
+        median = float(np.median(erle))
+        if median >= LOST_ERLE_DB or np.std(out_db) < 1e-6 or np.std(far_db) < 1e-6:
+            return
+        r = float(np.corrcoef(out_db, far_db)[0, 1])
+        if r < LOST_CORR:
+            return
+        self.warm, self.handbacks, self.handback_frame, self.lost = False, self.handbacks + 1, self.frames, (
+            round(median, 1), round(r, 2))
+        self._loss = []
+        # the far end's predicted echo (over_echo) was not followed while Speex served: it starts afresh
+        self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
+        self._oe_smear = np.zeros(N_OE_BANDS)
+        self._oe_reply_frames = 0
 
     def _advance_reuse(self, n: int, far_plays: bool) -> None:
         """Data reuse before the hand-over: while Speex has not shown convergence, a second Speex adapts on the

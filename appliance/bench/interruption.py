@@ -542,11 +542,15 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
 
 def served_by(echo, frame: int) -> str:
     """Whose output the VAD heard at the canceller's 10 ms ``frame`` (counted from its first):
-    ``"stand_in"`` (Speex not yet handed over to: the WebRTC AEC3 stand-in, or nothing where it is missing),
+    ``"stand_in"`` (Speex not yet handed over to, or handed back from: the WebRTC AEC3 stand-in, or nothing where it
+    is missing),
     ``"reused"`` (a Speex adapted by data reuse in the stand-in's place, ``EchoCanceller.reused_active``),
     ``"speex"``, or the backend's name for a canceller with no hand-over (``"webrtc"``)."""
     if getattr(echo, "backend", None) != "speex":
         return str(getattr(echo, "backend", "unknown"))
+    back = getattr(echo, "handback_frame", None)
+    if back is not None and back <= frame:
+        return "stand_in"
     handed = getattr(echo, "handover_frame", None)
     if handed is not None and handed <= frame:
         return "speex"

@@ -89,6 +89,7 @@ from . import FIXTURE, FIXTURE_GGUF, FIXTURE_MMPROJ
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TIMELINE_TAG = " appliance.service: {"
 HANDOVER_TAG = "Speex took over from the stand-in at audio_t "  # appliance.pipeline's log line
+HANDBACK_TAG = "the stand-in serves again from audio_t "  # ... and the one of a hand-back (Speex lost the echo)
 
 
 # --- the JACK server ---
@@ -204,6 +205,7 @@ class ServiceUnderTest:
         self.records: list[tuple[float, dict]] = []
         self.tap: Optional[ServiceTap] = None  # the listener's streams, if the service writes them
         self.handovers: list[float] = []  # audio_t (s) of each hand-over from the canceller's stand-in to Speex
+        self.handbacks: list[float] = []  # ... and of each hand-back to the stand-in
         self.state = "starting"
         self._lock = threading.Lock()
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "-v", "run", "--config", str(self.path)],
@@ -220,12 +222,14 @@ class ServiceUnderTest:
 
     def take(self, line: str, now: float) -> None:
         """One line of the service's stderr, arrived at ``now`` (``time.monotonic()``): a timeline record goes
-        to :attr:`records` (and :attr:`state`), a hand-over of the canceller to :attr:`handovers`."""
-        h = line.find(HANDOVER_TAG)
-        if h >= 0:
-            with self._lock:
-                self.handovers.append(float(line[h + len(HANDOVER_TAG):].split()[0]))
-            return
+        to :attr:`records` (and :attr:`state`), a hand-over of the canceller to :attr:`handovers`, a hand-back to
+        :attr:`handbacks`."""
+        for tag, into in ((HANDOVER_TAG, self.handovers), (HANDBACK_TAG, self.handbacks)):
+            h = line.find(tag)
+            if h >= 0:
+                with self._lock:
+                    into.append(float(line[h + len(tag):].split()[0]))
+                return
         i = line.find(TIMELINE_TAG)
         if i < 0:
             return
@@ -721,12 +725,13 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
         try:
             print_line(f"{len(cases)} scenarios, in real time")
             outcomes = []
-            handed_over = []  # (case, audio_t) of each hand-over from the AEC3 stand-in to Speex
+            handed_over, handed_back = [], []  # (case, audio_t) of each hand-over from the AEC3 stand-in to Speex, back
             for c in cases:
-                seen = len(svc.handovers)
+                seen, seen_back = len(svc.handovers), len(svc.handbacks)
                 o = run_case(c, room, svc, reply_level, question)
                 outcomes.append(o)
                 handed_over += [{"case": f"{c.kind}: {c.label}", "audio_t": t} for t in svc.handovers[seen:]]
+                handed_back += [{"case": f"{c.kind}: {c.label}", "audio_t": t} for t in svc.handbacks[seen_back:]]
                 silent = o.barge.get("output_silent_ms") if o.barge else None
                 print_line(f"{c.kind:13} {c.label[:52]:52} paused={o.interrupted} flushed={o.flushed} "
                            f"resumed={o.resumed} silent_ms={silent} detected_ms="
@@ -746,8 +751,10 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
             "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
             "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
                      "drift_wander_ms": room.wander_ms},
-            # Which canceller served the VAD: the AEC3 stand-in until Speex showed convergence, then Speex.
+            # Which canceller served the VAD: the AEC3 stand-in until Speex showed convergence, then Speex (and the
+            # stand-in again from a hand-back, where Speex lost the echo).
             "echo_hand_over": handed_over,
+            "echo_hand_back": handed_back,
             # Each barge-in as the service met it: its latency split and what the listener did from the user's
             # onset to the window that paused the reply (case_trace).
             "barge_in_cases": [{"kind": o.case.kind, "label": o.case.label, "detected_ms": o.barge.get("detected_ms"),
