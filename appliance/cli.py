@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import __version__
+from .bench import JACK_PERIOD, JACK_RATE
 from .config import DEFAULT_CONFIG_PATH, Config, default_config_path, load
 from .errors import UserError
 
@@ -463,9 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--room jack: a linear speaker, or a small one that soft-clips")
     sp.add_argument("--echo-only", type=int, default=0, metavar="N",
                     help="--room jack: only N echo-only replies at 0 dB and N at +6 dB, every pause counted")
-    sp.add_argument("--jack-rate", type=int, default=48000, help="--room jack: the JACK server's rate, Hz")
-    sp.add_argument("--jack-period", type=int, default=512, help="--room jack: frames per JACK period (default 512, "
-                    "10.7 ms at 48 kHz: a Pi's 10 ms blocks)")
+    sp.add_argument("--jack-rate", type=int, default=JACK_RATE,
+                    help=f"--room jack: the JACK server's rate, Hz (default {JACK_RATE})")
+    sp.add_argument("--jack-period", type=int, default=JACK_PERIOD, help=f"--room jack: frames per JACK period "
+                    f"(default {JACK_PERIOD}, {1000 * JACK_PERIOD / JACK_RATE:.1f} ms: a Pi's 10 ms blocks)")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
 
@@ -481,8 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--runs", type=int, default=3, help="consecutive windows (default 3)")
     sp.add_argument("--drift-ppm", type=float, default=0.0, help="the room's speaker clock drift, ppm")
     sp.add_argument("--speaker", choices=("linear", "clip"), default="linear", help="the room's speaker")
-    sp.add_argument("--jack-rate", type=int, default=48000, help="the JACK server's rate, Hz")
-    sp.add_argument("--jack-period", type=int, default=512, help="frames per JACK period (default 512)")
+    sp.add_argument("--jack-rate", type=int, default=JACK_RATE, help=f"the JACK server's rate, Hz (default {JACK_RATE})")
+    sp.add_argument("--jack-period", type=int, default=JACK_PERIOD, help=f"frames per JACK period (default {JACK_PERIOD})")
     common(sp, embedded=False)
     sp.set_defaults(func=cmd_bench_idle_cpu)
 

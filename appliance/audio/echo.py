@@ -228,14 +228,15 @@ LOST_FRAMES = 200  # Speex lost the echo (EchoCanceller._watch_loss): judged ove
 #   (2 s) after the hand-over, a passed onset's too (unlike the floors: the echo that passes the gate is the evidence) ...
 LOST_ERLE_DB = 20.0  # ... where the median of their per-frame ERLE (microphone over Speex's output, 10 ms) is under
 #   this (a converged Speex: 30-38 dB on the JACK room at 0 ppm) ...
-LOST_CORR = 0.5  # ... and the level of Speex's output follows the far end's: the correlation of their per-frame dB, the
-#   far end the loudest of OVER_ECHO_DELAY_FRAMES earlier (its echo), at least this. What is left is then our own
-#   echo, not a user or a noise over it (those leave the median under 20 dB too, but do not follow the far end).
+LOST_CORR = 0.5  # ... and the levels of Speex's output and of the microphone both follow the far end's: the correlation
+#   of their per-frame dB with the far end's (the loudest of OVER_ECHO_DELAY_FRAMES earlier: its echo), at least this.
+#   What is left is then our own echo, not a user or a noise over it (those leave the median under 20 dB too, but do
+#   not follow the far end), nor an echo path gone away (the microphone does not follow the far end then).
 #   Measured here, offline, on session 25's taps of the 48 kHz JACK room: where Speex had handed over on the
 #   drifting, clipping speaker (+300 ppm) and lost the echo 1.4 s later, windows with the median under 20 dB
-#   followed the far end at 0.60-0.78 (p5-p95), and the test held 3.6 s after the hand-over; at 0 ppm (two full
-#   suites, one 50-reply echo-only run, 6400 windows) the median went under 20 dB only under the bell's and the
-#   music's noise over a reply, following the far end at 0.27 at most: never both.
+#   followed the far end at 0.60-0.78 (p5-p95; the microphone 0.67 or more), and the test held 3.6 s after the
+#   hand-over; at 0 ppm (two full suites, one 50-reply echo-only run, 6400 windows of 2 s) the median went under 20 dB
+#   only under the bell's and the music's noise over a reply, what was left following the far end at 0.27 at most.
 SPEAKER_DRIVES = (0.0, 1.5, 3.0)  # the speaker's curves tried from a cold start (speaker_drive; 0: linear; see _try_curves)
 CURVE_WINDOW_FAR_FRAMES = 200  # ... their residuals compared over the newest 2 s of far-active frames ...
 CURVE_MIN_FAR_FRAMES = 300  # ... from 3 s of them on ...
@@ -411,7 +412,7 @@ class EchoCanceller:
         ``speaker_drive`` one serves first; fewer than two: none tried).
     :param follow_gain: with Speex, the echo path's gain measured at each new reply's start
         (:class:`~appliance.audio.pathgain.EchoGainFollower`) and a step handed to Speex (:meth:`_speex_frame`,
-        :attr:`echo_scale`, :attr:`gain_steps`); the reply's first ``MEASURE_S`` (150 ms) are held back meanwhile.
+        :attr:`echo_scale`, :attr:`gain_measurements`); the reply's first ``MEASURE_S`` (150 ms) are held back meanwhile.
     :raises UserError: an unknown backend or its package is missing.
 
     :attr:`trace`: None, or a list that a benchmark sets to have every frame and onset-gate check recorded
@@ -451,8 +452,9 @@ class EchoCanceller:
         self.handbacks = 0  # Speex -> stand-in hand-backs, once Speex lost the echo (_watch_loss): at most one
         self.handback_frame: Optional[int] = None  # the first frame (as handover_frame) the stand-in served again
         self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, correlation) of the windows that handed back
-        self._loss: list[tuple[float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE dB,
-        #   Speex's output dB, the far end's dB OVER_ECHO_DELAY_FRAMES earlier); see _watch_loss
+        self._loss: list[tuple[float, float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE
+        #   dB, Speex's output dB (as _never_louder left it), the microphone's dB, the far end's dB
+        #   OVER_ECHO_DELAY_FRAMES earlier); see _watch_loss
         self.warm = backend == "webrtc"  # Speex starts cold (see _update_mode)
         # The far end counts as recent for this long after its last sample: its echo still rings (the path's
         # delay and the room's reverberation), so the gate stays on. The Speex filter's length is the echo
@@ -510,7 +512,6 @@ class EchoCanceller:
         self.bypassed_frames = 0
         self._restart_frames = int(round(restart_after_silence_s * MODEL_RATE / FRAME)) if restart_after_silence_s else 0
         self.restarts = 0  # AEC3 restarts after a silence (see _restart_due)
-        self.gain_steps: list[tuple[int, float]] = []  # (frame, dB) of each echo gain step handed to Speex (follow_gain)
         self._restart_pending = False  # a restart of the stand-in is due when it is next fed
         # The stand-in's bypass (over_echo): the echo the far end predicts, band by band, while the stand-in may serve.
         self.over_echo_db = over_echo_db
@@ -600,8 +601,6 @@ class EchoCanceller:
             self._gain_fed = need
             if g is not None:  # (the follower keeps the steps' total within its MAX_STEP_DB)
                 self.echo_scale *= g
-                self.gain_steps.append((self.frames, round(20.0 * np.log10(g), 2)))
-                del self.gain_steps[:-64]
             if self._gain.measuring:
                 return np.zeros(0, dtype=np.float32)  # a new reply's start, held back until its echo's gain is known
             self._gain_fed = 0  # (every frame buffered is processed below)
@@ -700,7 +699,8 @@ class EchoCanceller:
                 self._reply_far += 1
                 if self.warm and self._stand_in_ready:
                     lo, hi = OVER_ECHO_DELAY_FRAMES
-                    self._loss.append((_ratio_db(e_in[i], e_out[i]), _ratio_db(e_out[i], FRAME),
+                    served = float(e_in[i] if e_out[i] > e_in[i] * 10 ** (OVER_DB / 10) else e_out[i])  # _never_louder's
+                    self._loss.append((_ratio_db(e_in[i], served), _ratio_db(served, FRAME), _ratio_db(e_in[i], FRAME),
                                        _ratio_db(max(self._ratio_far[-hi:-lo], default=0.0), FRAME)))
             self._follow_tail(float(e_in[i]), float(e_far[i]), b_in[i])
             if b_far is None:
@@ -1042,9 +1042,11 @@ class EchoCanceller:
     def _watch_loss(self) -> None:
         """After the hand-over, hand back to the stand-in where Speex has lost the echo: over its newest
         ``LOST_FRAMES`` far-active frames (2 s), the median per-frame ERLE is under
-        ``LOST_ERLE_DB`` (20 dB) and the level of what it leaves follows the far end's (their per-frame dB
-        correlated at ``LOST_CORR``, 0.5, or more): our own echo gets through, not a user or a noise over the
-        reply. From this call's frames on the stand-in serves (:attr:`handback_frame`), a new AEC3 as after a
+        ``LOST_ERLE_DB`` (20 dB), and the level of what it leaves (as :func:`_never_louder` leaves it) and the
+        microphone's both follow the far end's (their per-frame dB correlated with its at ``LOST_CORR``, 0.5, or
+        more): our own echo is there and gets through, not a user or a noise over the reply (what is left does
+        not follow the far end) nor an echo path gone away (nor does the microphone: Speex's own estimate of an
+        echo that is not there, in a room with no echo path, followed the far end at 0.51). From this call's frames on the stand-in serves (:attr:`handback_frame`), a new AEC3 as after a
         start, for good: no further hand-over nor data reuse on this echo path (a new one gets a new canceller),
         as for a path Speex never learnt within the hand-over's deadline. Speex learns on beside it.
 
@@ -1057,15 +1059,15 @@ class EchoCanceller:
         del self._loss[:-LOST_FRAMES]
         if len(self._loss) < LOST_FRAMES or not self.warm:
             return
-        erle, out_db, far_db = np.array(self._loss).T
+        erle, out_db, mic_db, far_db = np.array(self._loss).T
         median = float(np.median(erle))
-        if median >= LOST_ERLE_DB or np.std(out_db) < 1e-6 or np.std(far_db) < 1e-6:
+        if median >= LOST_ERLE_DB or min(np.std(out_db), np.std(mic_db), np.std(far_db)) < 1e-6:
             return
-        r = float(np.corrcoef(out_db, far_db)[0, 1])
-        if r < LOST_CORR:
+        r, r_mic = np.corrcoef([out_db, mic_db, far_db])[2, :2]
+        if r < LOST_CORR or r_mic < LOST_CORR:
             return
         self.warm, self.handbacks, self.handback_frame, self.lost = False, self.handbacks + 1, self.frames, (
-            round(median, 1), round(r, 2))
+            round(median, 1), round(float(r), 2))
         self._loss = []
         # the far end's predicted echo (over_echo) was not followed while Speex served: it starts afresh
         self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()

@@ -398,6 +398,7 @@ class Outcome:
     echo: object = None  # the canceller the case ran with (a room's later cases go on with it)
     stand_in_ms: Optional[float] = None  # of the reply's audio, how much the cold-start stand-in served, ms
     served_by: Optional[str] = None  # whose output the VAD heard at the user's onset: see served_by()
+    handed_back: bool = False  # the canceller handed back from Speex to the stand-in in this case (Speex lost the echo)
 
 
 def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=None,
@@ -467,6 +468,7 @@ def run_case(case: Case, parts: Parts, cfg: Config, reply_level: float, echo=Non
                   early_onsets=session.segmenter.early_onsets, echo=echo)
     if echo is not None and hasattr(echo, "stand_in_frames"):
         out.stand_in_ms = 10.0 * (echo.stand_in_frames - stand_in0)
+        out.handed_back = getattr(echo, "handback_frame", None) is not None and echo.handback_frame >= frame0
     speech = [r for r in recs if r["event"] == "user_speech" and r["source"] == case.label]
     if case.audio is not None:
         out.valid, out.note = interjection_validity(recs, speech)
@@ -643,6 +645,8 @@ def summarise(outcomes: list[Outcome], classifier_ms: list[float]) -> dict:
                                        "n": len(silent_ms(cold_barge))},
                        "missed_interrupts": {"count": sum(1 for o in cold_barge if not o.flushed),
                                              "n": len(cold_barge)}},
+        # the cases in which Speex lost the echo and handed back to the stand-in (EchoCanceller._watch_loss)
+        "echo_hand_back": [{"case": f"{o.case.kind}: {o.case.label}"} for o in outcomes if o.handed_back],
         # echo-only replies, and the replies to a stop word (the barge-in's double talk just behind them)
         # every pause of a reply nobody talked over: the first reply after a start (a cold canceller) and the
         # later ones (echo alone, and the reply to a stop word, the barge-in's double talk just behind it)

@@ -6,7 +6,7 @@ How it runs:
 1. A JACK server of its own: ``jackd -n appliance-room<rate> --no-realtime -d dummy -r RATE -p PERIOD``
    (a dummy driver: no sound card, callbacks paced in real time), started unless one of that name is
    up, and stopped at the end if started here. The shared default server is never touched. The period
-   (``--jack-period``, :data:`DEFAULT_PERIOD` = 512 frames by default) sets the output's latency: the fade and
+   (``--jack-period``, :data:`~appliance.bench.JACK_PERIOD` = 512 frames by default) sets the output's latency: the fade and
    two periods, 8 + 2 x 10.7 = 29 ms at 512 (10.7 ms, what the worker gets from a Pi's ALSA with its 10 ms
    blocks: *projected* on a Pi 8 + 2 x 10 = 28 ms; measured here 24-35 ms, the output part of session 25's
    full runs), 8 + 2 x 21.3 = 51 ms at 1024 (measured 46-57 ms). The default was 1024 until session 25, because
@@ -84,7 +84,7 @@ from ..vad import WINDOW_MS
 from ..config import Config
 from ..errors import UserError
 from . import interruption as sim
-from . import FIXTURE, FIXTURE_GGUF, FIXTURE_MMPROJ
+from . import FIXTURE, FIXTURE_GGUF, FIXTURE_MMPROJ, JACK_PERIOD, JACK_RATE
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TIMELINE_TAG = " appliance.service: {"
@@ -94,9 +94,6 @@ HANDBACK_TAG = "the stand-in serves again from audio_t "  # ... and the one of a
 
 # --- the JACK server ---
 
-DEFAULT_PERIOD = 512  # frames per JACK period, the rooms' default (see the module's notes)
-
-
 class JackServer:
     """A named JACK dummy server of our own (started unless already up; stopped only if started here).
 
@@ -105,7 +102,7 @@ class JackServer:
     :raises UserError: jackd is not installed or the server does not come up in 10 s.
     """
 
-    def __init__(self, name: str, rate: int = 48000, period: int = DEFAULT_PERIOD):
+    def __init__(self, name: str, rate: int = JACK_RATE, period: int = JACK_PERIOD):
         self.name, self.rate, self.period = name, int(rate), int(period)
         self.proc: Optional[subprocess.Popen] = None
 
@@ -703,7 +700,7 @@ def write_summary(summary: dict, json_path: Optional[Path], print_line: Callable
 
 
 def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = False, drift_ppm: float = 0.0,
-        speaker: str = "linear", echo_only: int = 0, rate: int = 48000, period: int = DEFAULT_PERIOD,
+        speaker: str = "linear", echo_only: int = 0, rate: int = JACK_RATE, period: int = JACK_PERIOD,
         idle_s: Optional[float] = None, print_line: Callable[[str], None] = print,
         server_name: Optional[str] = None) -> dict:
     """Run the suite in the JACK room through the service; print a line per scenario and the summary;
@@ -780,7 +777,7 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
 # --- idle CPU alone ---
 
 def idle(cfg: Config, json_path: Optional[Path], seconds: float = 30.0, runs: int = 3, drift_ppm: float = 0.0,
-         speaker: str = "linear", rate: int = 48000, period: int = DEFAULT_PERIOD, settle_s: float = 3.0,
+         speaker: str = "linear", rate: int = JACK_RATE, period: int = JACK_PERIOD, settle_s: float = 3.0,
          print_line: Callable[[str], None] = print, server_name: Optional[str] = None) -> dict:
     """``appliance bench idle-cpu``: the service started as ``bench interruption --room jack`` starts it (its
     own JACK server, the room as its sound device, the tiny Gemma 4 fixture), nothing played and nobody
