@@ -451,7 +451,7 @@ class EchoCanceller:
         self.handover_frame: Optional[int] = None  # the first frame (10 ms, counted from this canceller's first) Speex served
         self.handbacks = 0  # Speex -> stand-in hand-backs, once Speex lost the echo (_watch_loss): at most one
         self.handback_frame: Optional[int] = None  # the first frame (as handover_frame) the stand-in served again
-        self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, correlation) of the windows that handed back
+        self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, the output's correlation) at the hand-back
         self._loss: list[tuple[float, float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE
         #   dB, Speex's output dB (as _never_louder left it), the microphone's dB, the far end's dB
         #   OVER_ECHO_DELAY_FRAMES earlier); see _watch_loss
@@ -1041,14 +1041,15 @@ class EchoCanceller:
 
     def _watch_loss(self) -> None:
         """After the hand-over, hand back to the stand-in where Speex has lost the echo: over its newest
-        ``LOST_FRAMES`` far-active frames (2 s), the median per-frame ERLE is under
-        ``LOST_ERLE_DB`` (20 dB), and the level of what it leaves (as :func:`_never_louder` leaves it) and the
-        microphone's both follow the far end's (their per-frame dB correlated with its at ``LOST_CORR``, 0.5, or
-        more): our own echo is there and gets through, not a user or a noise over the reply (what is left does
-        not follow the far end) nor an echo path gone away (nor does the microphone: Speex's own estimate of an
-        echo that is not there, in a room with no echo path, followed the far end at 0.51). From this call's frames on the stand-in serves (:attr:`handback_frame`), a new AEC3 as after a
-        start, for good: no further hand-over nor data reuse on this echo path (a new one gets a new canceller),
-        as for a path Speex never learnt within the hand-over's deadline. Speex learns on beside it.
+        ``LOST_FRAMES`` far-active frames (2 s), the median per-frame ERLE is under ``LOST_ERLE_DB`` (20 dB), and
+        the level of what it leaves (as :func:`_never_louder` leaves it) and the microphone's both follow the far
+        end's (their per-frame dB correlated with its at ``LOST_CORR``, 0.5, or more): our own echo is there and
+        gets through, not a user or a noise over the reply (what is left does not follow the far end) nor an echo
+        path gone away (nor does the microphone: Speex's own estimate of an echo that is not there, in a room with
+        no echo path, followed the far end at 0.51). From this call's frames on the stand-in serves
+        (:attr:`handback_frame`), a new AEC3 as after a start, for good: no further hand-over nor data reuse on
+        this echo path (a new one gets a new canceller), as for a path Speex never learnt within the hand-over's
+        deadline. Speex learns on beside it.
 
         Why: the floors can look converged for a moment on a path Speex cannot model. On the 48 kHz JACK room
         with the drifting (+300 ppm, a 60 s wander), clipping speaker, Speex handed over 45 s into a 50-reply
