@@ -107,17 +107,29 @@ def test_the_tap_is_placed_on_the_rooms_clock_by_its_waveform_even_when_the_ques
     assert tap.peak > 0.95 and len(tap.offsets) == 2
 
 
+def _listener_logs(echo, calls: int, caplog, phrase: str) -> list[str]:
+    """The messages holding ``phrase`` that the listener logs over ``calls`` blocks of 30 ms of silence, ``echo``
+    its canceller (a fake through the interface the listener uses)."""
+    import logging
+
+    from appliance.pipeline import Listener
+    from appliance.vad import SileroVad, VadSegmenter
+
+    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=echo)
+    with caplog.at_level(logging.INFO, logger="appliance.pipeline"):
+        for _ in range(calls):
+            listener._process(np.zeros(480, np.float32), np.zeros(480, np.float32))
+    return [r.getMessage() for r in caplog.records if phrase in r.getMessage()]
+
+
 def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(caplog):
     """The listener logs the canceller's hand-over from its AEC3 stand-in to Speex once, with the audio time;
     the JACK room's bench reads that line from the service's stderr (``echo_hand_over`` in its JSON), so a run
     says which canceller served its replies. Measured here: at 0 ppm, clipping speaker, Speex took over in the
     first reply and its ERLE was then 18-27 dB (the stand-in's 35-48); at +300 ppm it never took over."""
-    import logging
     import threading
 
     from appliance.bench.jack_room import ServiceUnderTest
-    from appliance.pipeline import Listener
-    from appliance.vad import SileroVad, VadSegmenter
 
     class Echo:  # the canceller's interface the listener uses; hands over at its third call
         handovers = 0
@@ -128,11 +140,7 @@ def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(
             self.handovers = int(self.calls >= 3)
             return mic
 
-    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=Echo())
-    with caplog.at_level(logging.INFO, logger="appliance.pipeline"):
-        for _ in range(5):
-            listener._process(np.zeros(480, np.float32), np.zeros(480, np.float32))
-    lines = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    lines = _listener_logs(Echo(), 5, caplog, "took over")
     assert lines == ["echo canceller: Speex took over from the stand-in at audio_t 0.090 s"]
     svc = ServiceUnderTest.__new__(ServiceUnderTest)
     svc.records, svc.handovers, svc.handbacks, svc.state, svc._lock = [], [], [], "listening", threading.Lock()
@@ -144,12 +152,9 @@ def test_the_cancellers_hand_over_to_speex_is_logged_and_read_by_the_jack_bench(
 def test_a_hand_back_to_the_stand_in_is_logged_and_read_by_the_jack_bench(caplog):
     """Where Speex loses the echo after the hand-over (EchoCanceller._watch_loss), the listener warns once, with
     the figures that decided and the audio time, and the JACK bench reads it into ``echo_hand_back``."""
-    import logging
     import threading
 
     from appliance.bench.jack_room import ServiceUnderTest
-    from appliance.pipeline import Listener
-    from appliance.vad import SileroVad, VadSegmenter
 
     class Echo:  # the canceller's interface the listener uses; hands over at its second call, back at its fourth
         handovers = handbacks = calls = 0
@@ -162,11 +167,7 @@ def test_a_hand_back_to_the_stand_in_is_logged_and_read_by_the_jack_bench(caplog
             self.lost = (14.2, 0.61) if self.handbacks else None
             return mic
 
-    listener = Listener(VadSegmenter(SileroVad()), lambda *a, **k: None, echo=Echo())
-    with caplog.at_level(logging.INFO, logger="appliance.pipeline"):
-        for _ in range(6):
-            listener._process(np.zeros(480, np.float32), np.zeros(480, np.float32))
-    lines = [r.getMessage() for r in caplog.records if "lost the echo" in r.getMessage()]
+    lines = _listener_logs(Echo(), 6, caplog, "lost the echo")
     assert lines == ["echo canceller: Speex lost the echo (median ERLE 14.2 dB over the last 2 s of reply, what it "
                      "left following the far end at r 0.61); the stand-in serves again from audio_t 0.120 s"]
     assert [r.levelname for r in caplog.records if "lost the echo" in r.getMessage()] == ["WARNING"]
