@@ -647,7 +647,8 @@ class EchoCanceller:
         self.busy_s += time.perf_counter() - t0
         out_f = out.reshape(n, FRAME)
         e_in, e_out = _energy(near), _energy(out_f)  # the canceller's own output, before _never_louder
-        self.clamped += _never_louder(out_f, e_out, e_in)
+        clamped = _never_louder(out_f, e_out, e_in)
+        self.clamped += int(clamped.sum())
         # Idle: the far end digital silence in this block and in every frame kept (64, more than the onset
         # gate's look-back of the window and the echo tail). Then the bands of the microphone and of the
         # output are read by nobody: the gate reads them only while the far end is recent, and the bands'
@@ -673,14 +674,14 @@ class EchoCanceller:
         oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
         if b_far is not None and self._stand_in_ready:
             if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
-                self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
-                self._oe_smear = np.zeros(N_OE_BANDS)
+                self._restart_prediction()
                 self._oe_pass += [False] * n
                 del self._oe_pass[:-64]
             else:
                 oe_stats = self._over_echo_stats()
                 o_in = p_in @ _OE_MATRIX  # the prediction's own bands (OVER_ECHO_BAND_EDGES_HZ)
                 o_far = np.zeros((n, N_OE_BANDS)) if far_silent else p_far @ _OE_MATRIX
+        watch = False  # Speex served a far-active frame since the hand-over: _watch_loss has a new one to judge
         for i in range(n):
             self._ratio_in.append(float(e_in[i]))
             self._ratio_out.append(float(e_out[i]))
@@ -699,7 +700,8 @@ class EchoCanceller:
                 self._reply_far += 1
                 if self.warm and self._stand_in_ready:
                     lo, hi = OVER_ECHO_DELAY_FRAMES
-                    served = float(e_in[i] if e_out[i] > e_in[i] * 10 ** (OVER_DB / 10) else e_out[i])  # _never_louder's
+                    served = float(e_in[i] if clamped[i] else e_out[i])  # (as _never_louder left the frame)
+                    watch = True
                     self._loss.append((_ratio_db(e_in[i], served), _ratio_db(served, FRAME), _ratio_db(e_in[i], FRAME),
                                        _ratio_db(max(self._ratio_far[-hi:-lo], default=0.0), FRAME)))
             self._follow_tail(float(e_in[i]), float(e_far[i]), b_in[i])
@@ -723,7 +725,7 @@ class EchoCanceller:
         for buf in (self._lt_in, self._lt_out, self._lt_hb_in, self._lt_hb_out, *self._lt_band_in,
                     *self._lt_band_out, *self._lt_band_far):
             del buf[:-LT_FRAMES]
-        if self._loss:
+        if watch:
             self._watch_loss()
         self._update_mode(n, grew)
         if self.reuse_passes:
@@ -1070,10 +1072,14 @@ class EchoCanceller:
         self.warm, self.handbacks, self.handback_frame, self.lost = False, self.handbacks + 1, self.frames, (
             round(median, 1), round(float(r), 2))
         self._loss = []
-        # the far end's predicted echo (over_echo) was not followed while Speex served: it starts afresh
+        self._restart_prediction()  # (over_echo's prediction was not followed while Speex served)
+        self._oe_reply_frames = 0
+
+    def _restart_prediction(self) -> None:
+        """:meth:`over_echo`'s prediction of the echo starts afresh: the far end's smeared bands and the last
+        frames' bands and verdicts forgotten (its gain and noise statistics kept)."""
         self._oe_smeared.clear(), self._oe_in.clear(), self._oe_pred.clear(), self._oe_frame.clear()
         self._oe_smear = np.zeros(N_OE_BANDS)
-        self._oe_reply_frames = 0
 
     def _advance_reuse(self, n: int, far_plays: bool) -> None:
         """Data reuse before the hand-over: while Speex has not shown convergence, a second Speex adapts on the
@@ -1910,10 +1916,10 @@ def _energy(frames: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", x, x)
 
 
-def _never_louder(out: np.ndarray, e_out: np.ndarray, e_in: np.ndarray) -> int:
+def _never_louder(out: np.ndarray, e_out: np.ndarray, e_in: np.ndarray) -> np.ndarray:
     """Scale each row of ``out`` (float32 [n, FRAME], in place) whose energy ``e_out`` exceeds the energy
     ``e_in`` of the canceller's input for that frame by more than ``OVER_DB`` down to the input's energy;
-    returns how many rows it scaled. The onset gate sees the ratio before this (``OVER_DB``).
+    returns which rows it scaled (bool [n]). The onset gate sees the ratio before this (``OVER_DB``).
 
     Why: a canceller only takes away. An output louder than its input is the adaptive filter's own estimate
     of an echo that is not there (the filter adapted during double talk, or the echo path changed), that is
@@ -1927,7 +1933,7 @@ def _never_louder(out: np.ndarray, e_out: np.ndarray, e_in: np.ndarray) -> int:
     over = e_out > e_in * 10 ** (OVER_DB / 10)
     if over.any():
         out[over] *= np.sqrt(e_in[over] / e_out[over])[:, None].astype(np.float32)
-    return int(over.sum())
+    return over
 
 
 def _band_energies(frames: np.ndarray) -> np.ndarray:
