@@ -327,16 +327,18 @@ def cmd_bench_interruption(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     json_out = _json_out(args)
+    if args.path_change_s is not None and args.path_change_s < 0:
+        raise UserError(f"--path-change-s must be 0 or more seconds, not {args.path_change_s:g}")
     if args.room == "jack":
         from .bench import jack_room
 
         jack_room.run(cfg, json_out, Path(args.cache), quick=args.quick, drift_ppm=args.drift_ppm,
                       speaker=args.speaker, echo_only=args.echo_only, rate=args.jack_rate, period=args.jack_period,
-                      print_line=lambda s: print(s, flush=True))
+                      path_change_s=args.path_change_s, print_line=lambda s: print(s, flush=True))
         return 0
-    if args.echo_only or args.drift_ppm or args.speaker != "linear":
-        raise UserError("--echo-only, --drift-ppm and --speaker need --room jack (the simulated room has one clock "
-                        "and a linear speaker)")
+    if args.echo_only or args.drift_ppm or args.speaker != "linear" or args.path_change_s is not None:
+        raise UserError("--echo-only, --drift-ppm, --speaker and --path-change-s need --room jack (the simulated room "
+                        "has one clock and a linear speaker)")
     parts = Parts.load(cfg, persist=False)
     interruption.run(cfg, parts, json_out, Path(args.cache), quick=args.quick,
                      print_line=lambda s: print(s, flush=True))
@@ -462,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drift-ppm", type=float, default=0.0, help="--room jack: the speaker's clock drift, ppm")
     sp.add_argument("--speaker", choices=("linear", "clip"), default="linear",
                     help="--room jack: a linear speaker, or a small one that soft-clips")
+    sp.add_argument("--path-change-s", type=float, default=None, metavar="S",
+                    help="--room jack: the speaker and the drift come on S seconds into the run (linear and one "
+                         "clock before): a canceller that converged on the clean path meets the change")
     sp.add_argument("--echo-only", type=int, default=0, metavar="N",
                     help="--room jack: only N echo-only replies at 0 dB and N at +6 dB, every pause counted")
     sp.add_argument("--jack-rate", type=int, default=JACK_RATE,

@@ -313,10 +313,15 @@ def test_a_scenario_of_noises_only_is_replayed_without_an_answer(tmp_path):
 
 
 def test_bench_room_options_need_the_jack_room():
-    """--drift-ppm, --speaker and --echo-only describe the JACK room: the simulated room refuses them at
-    once (one clock, a linear speaker) instead of measuring something else."""
+    """--drift-ppm, --speaker, --path-change-s and --echo-only describe the JACK room: the simulated room refuses
+    them at once (one clock, a linear speaker) instead of measuring something else; a path change before the start
+    is refused too."""
     r = appliance("bench", "interruption", "--embedded", "--drift-ppm", "300")
     one_line_error(r, "--room jack")
+    r = appliance("bench", "interruption", "--embedded", "--path-change-s", "60")
+    one_line_error(r, "--room jack")
+    r = appliance("bench", "interruption", "--room", "jack", "--embedded", "--path-change-s", "-1")
+    one_line_error(r, "--path-change-s must be 0 or more seconds")
 
 
 def test_say_out_to_a_directory_or_an_odd_name_is_no_traceback(tmp_path):

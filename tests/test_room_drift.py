@@ -51,6 +51,23 @@ def test_the_wander_is_smooth_bounded_and_peaks_at_the_drift_rate():
     assert np.max(np.abs(y[2000:] - ref[2000:])) < 1e-3 and line.dry == 0
 
 
+def test_a_line_that_starts_drifting_late_is_an_exact_delay_until_then_and_does_not_jump():
+    """``start`` (the room's ``path_change_s``): up to that sample the line is the exact integer delay of one clock;
+    from it the delay wanders as a line started there would, with no step at the change."""
+    start = 5 * RATE
+    line = _DriftLine(1185, 1 + 300e-6, period=60.0 * RATE, start=start)
+    x = np.random.default_rng(3).standard_normal(8 * RATE).astype(np.float32)
+    y = _run(line, x)
+    assert np.array_equal(y[1185:start], x[:start - 1185])
+    m = np.arange(start - RATE, start + 2 * RATE, dtype=np.float64)
+    delay = m - line.positions(m)
+    assert np.all(delay[:RATE + 1] == 1185)
+    assert np.max(np.abs(np.diff(delay))) <= 300e-6 + 1e-9  # no step anywhere, the change included
+    fresh = _DriftLine(1185, 1 + 300e-6, period=60.0 * RATE)
+    assert np.allclose(delay[RATE:], (m - fresh.positions(m - start))[RATE:] - start, atol=1e-9)
+    assert not np.array_equal(y[start + 1185:], x[start:-1185])  # it drifts after the change
+
+
 def test_the_line_runs_dry_only_when_the_drift_has_used_up_the_delay():
     line = _DriftLine(64, 1 + 0.01)  # 1 %: 64 − 16 samples of margin used up after ~4800 samples
     _run(line, np.ones(20000, dtype=np.float32))

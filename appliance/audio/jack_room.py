@@ -118,6 +118,15 @@ class _OverlapSave:
         self._hist = line[len(line) - len(self._hist):]
         return y.astype(np.float32)
 
+    def set_kernel(self, h: np.ndarray) -> None:
+        """Convolve with ``h`` from the next block on (as long as the kernel before: the history stays valid).
+
+        :raises ValueError: ``h`` has another length."""
+        if len(h) != len(self.h):
+            raise ValueError(f"the kernel must keep its length, {len(self.h)} taps, not {len(h)}")
+        self.h = np.asarray(h, dtype=np.float32)
+        self._ffts.clear()
+
 
 WANDER_S = 60.0  # the period of the echo delay's wander, s (see the module docstring)
 
@@ -131,9 +140,12 @@ class _DriftLine:
     is an exact integer delay. Streaming, one block in and one block of the same length out.
 
     :param delay: the nominal delay, samples (more than ``A + taps // 2``).
+    :param start: the output sample from which the line drifts (``m`` above counts from it); before it, a fixed
+        ``delay`` (the delay is continuous there).
     """
 
-    def __init__(self, delay: int, ratio: float, period: Optional[float] = None, taps: int = 32):
+    def __init__(self, delay: int, ratio: float, period: Optional[float] = None, taps: int = 32, start: int = 0):
+        self.start = int(start)
         self.ratio = float(ratio)
         self.period = period
         self.amplitude = 0.0 if period is None else (self.ratio - 1.0) * period / (2 * np.pi)
@@ -147,9 +159,10 @@ class _DriftLine:
 
     def positions(self, m: np.ndarray) -> np.ndarray:
         """The input positions read for output samples ``m``."""
+        d = np.maximum(np.asarray(m, dtype=np.float64) - self.start, 0.0)  # how long the line has drifted
         if self.period is None:
-            return m * self.ratio - self.delay
-        return m - self.delay + self.amplitude * np.sin(2 * np.pi * m / self.period)
+            return m - self.delay + d * (self.ratio - 1.0)
+        return m - self.delay + self.amplitude * np.sin(2 * np.pi * d / self.period)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         n = len(x)
@@ -215,13 +228,17 @@ class JackRoom:
     :param speaker: ``"linear"`` or ``"clip"``.
     :param clip_drive: the soft clipper's drive (``clip`` only).
     :param noise_dbfs: the microphone's noise floor, white, dBFS RMS (None: digital silence).
+    :param path_change_s: the speaker and the drift come on this many seconds (of the room's frames) after it
+        started: before, a linear speaker on one clock with the same delay; then the echo path changes at once, as
+        when the owner turns the volume up into the speaker's clipping (for a canceller that converged on the clean
+        path and must notice it lost the echo). None: from the start.
     :raises jack.JackError: no server to connect to.
     """
 
     def __init__(self, name: str = "room", servername: Optional[str] = None, echo_gain_db: Optional[float] = None,
                  echo_delay_ms: float = 30.0, impulse_response: Optional[np.ndarray] = None, drift_ppm: float = 0.0,
                  speaker: str = "linear", clip_drive: float = 2.0, noise_dbfs: Optional[float] = -70.0,
-                 seed: int = 0):
+                 seed: int = 0, path_change_s: Optional[float] = None):
         import jack
 
         if speaker not in SPEAKERS:
@@ -235,6 +252,8 @@ class JackRoom:
         self.speaker = speaker
         self.clip_drive = float(clip_drive)
         self.echo_delay_ms = float(echo_delay_ms)
+        self._change = None if path_change_s is None else max(0, int(round(path_change_s * self.rate)))
+        self.path_changed: Optional[int] = None  # the drift line's sample at which the speaker came on (path_change_s)
         self._rng = np.random.default_rng(seed)
         self._noise = None if noise_dbfs is None else 10 ** (noise_dbfs / 20.0)
         self._lock = threading.Lock()
@@ -262,14 +281,21 @@ class JackRoom:
         rate = self.rate
         ir, lead = (np.ones(1, dtype=np.float32), 0) if self._ir16 is None else echo_ir(self._ir16, rate)
         delay = max(0, int(round(self.echo_delay_ms * rate / 1000.0)) - lead)
-        self._bandpass = None
+        self._ir_after = None  # the path's kernel once the speaker comes on (path_change_s)
         if self.speaker == "clip":
             bp = small_speaker_fir(rate)
-            ir = np.convolve(bp, ir)
+            ir_clip = np.convolve(bp, ir)
             delay = max(0, delay - (len(bp) - 1) // 2)  # the band-pass's group delay is part of the path
+            if self._change is not None:  # until then: the band-pass's group delay alone, so the delay stays put
+                flat = np.zeros(len(bp), dtype=np.float32)
+                flat[(len(bp) - 1) // 2] = 1.0
+                self._ir_after, ir = ir_clip, np.convolve(flat, ir)
+            else:
+                ir = ir_clip
         self._fir = _OverlapSave(ir.astype(np.float32))
         self._delay = delay
-        self._line = _DriftLine(delay, 1.0 + self.drift_ppm * 1e-6, period=WANDER_S * rate if self.drift_ppm else None)
+        self._line = _DriftLine(delay, 1.0 + self.drift_ppm * 1e-6, period=WANDER_S * rate if self.drift_ppm else None,
+                                start=self._change or 0)
         self.wander_ms = round(1000.0 * abs(self._line.amplitude) / rate, 2)
         self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
 
@@ -281,14 +307,13 @@ class JackRoom:
     def delay_rate_ppm(self, m0: int, m1: int) -> float:
         """The mean rate at which the echo's delay moved between the drift line's positions ``m0`` and ``m1``
         (:attr:`line_samples`), ppm (+: the echo falls further behind; 0 without drift): the ground truth of
-        :func:`appliance.audio.delay.drift_ppm`. The delay is ``delay - A sin(2 pi m / P)`` (:class:`_DriftLine`)."""
+        :func:`appliance.audio.delay.drift_ppm`. The delay is ``delay - A sin(2 pi (m - start) / P)`` from the line's
+        ``start`` on (:class:`_DriftLine`)."""
         line = self._line
-        if line.period is None:
-            return -(line.ratio - 1.0) * 1e6  # read at a constant rate: the delay shrinks by ratio - 1 a sample
-        w = 2 * np.pi / line.period
         if m1 == m0:
-            return float(-line.amplitude * w * np.cos(w * m0) * 1e6)
-        return float(-line.amplitude * (np.sin(w * m1) - np.sin(w * m0)) / (m1 - m0) * 1e6)
+            m0, m1 = m0 - 0.5, m0 + 0.5
+        delay = lambda m: m - float(line.positions(np.float64(m)))  # noqa: E731
+        return float((delay(m1) - delay(m0)) / (m1 - m0) * 1e6)
 
     def set_echo(self, echo_gain_db: Optional[float]) -> None:
         """The echo's level from the next period on, dB (None: no echo path); the echo path's state stays."""
@@ -440,7 +465,11 @@ class JackRoom:
 
     def _echo(self, ear: np.ndarray, f0: int, frames: int, gain: Optional[float]) -> np.ndarray:
         x = ear
-        if self.speaker == "clip":
+        if self.path_changed is None and (self._change is None or self._line._written + frames > self._change):
+            self.path_changed = self._line._written
+            if self._ir_after is not None:
+                self._fir.set_kernel(self._ir_after)
+        if self.speaker == "clip" and self.path_changed is not None:
             x = soft_clip(x, self.clip_drive)
         take = self._line(x)
         self.underruns = self._line.dry

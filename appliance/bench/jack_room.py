@@ -649,12 +649,14 @@ def case_trace(tap: ServiceTap, onset: int, fired: int) -> Optional[dict]:
 
 @contextlib.contextmanager
 def service_in_room(cfg: Config, server_name: str, rate: int, period: int, drift_ppm: float, speaker: str,
-                    work_prefix: str, settle_s: float, print_line: Callable[[str], None], tap: bool = False):
+                    work_prefix: str, settle_s: float, print_line: Callable[[str], None], tap: bool = False,
+                    path_change_s: Optional[float] = None):
     """The service (``appliance run``'s code path, :class:`ServiceUnderTest`) on a JACK dummy server of its own
     named ``server_name`` (``rate`` Hz, ``period`` frames), with the room as its sound device; yields
     ``(server, room, svc)`` once the service is ``listening`` and ``settle_s`` more have passed (the worker's
     streams and first blocks), and stops all three on the way out. ``tap``: the service writes its listener's
     streams (:mod:`appliance.audio.tap`) and ``svc.tap`` is their :class:`ServiceTap` (else None).
+    ``path_change_s``: the room's speaker and drift come on that late (:class:`~appliance.audio.jack_room.JackRoom`).
 
     :raises UserError: no jackd, or the service does not reach ``listening`` in 300 s.
     """
@@ -663,12 +665,15 @@ def service_in_room(cfg: Config, server_name: str, rate: int, period: int, drift
     room = svc = None
     try:
         room = JackRoom(f"room{os.getpid()}", servername=server.name, echo_delay_ms=sim.ECHO_DELAY_MS,
-                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker)
+                        impulse_response=synthetic_ir(sim.RT60_MS), drift_ppm=drift_ppm, speaker=speaker,
+                        path_change_s=path_change_s)
         env = dict(server.env(), **({TAP_ENV: str(work / "tap.f32")} if tap else {}))
         svc = ServiceUnderTest(service_config(cfg, room.name, work / "state"), work, env)
         svc.tap = ServiceTap(work / "tap.f32", room.rate) if tap else None
         print_line(f"JACK room {room.name} on {server.name} ({room.rate} Hz, {period}-frame periods), drift "
-                   f"{drift_ppm:+g} ppm, {speaker} speaker; the service's log: {work / 'service.log'}")
+                   f"{drift_ppm:+g} ppm, {speaker} speaker"
+                   + (f" from {path_change_s:g} s (linear, one clock before)" if path_change_s is not None else "")
+                   + f"; the service's log: {work / 'service.log'}")
         if not svc.wait_state("listening", 300):
             raise UserError(f"the service did not reach listening in 300 s (it is {svc.state}); see {work / 'service.log'}")
         time.sleep(settle_s)
@@ -702,10 +707,12 @@ def write_summary(summary: dict, json_path: Optional[Path], print_line: Callable
 def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = False, drift_ppm: float = 0.0,
         speaker: str = "linear", echo_only: int = 0, rate: int = JACK_RATE, period: int = JACK_PERIOD,
         idle_s: Optional[float] = None, print_line: Callable[[str], None] = print,
-        server_name: Optional[str] = None) -> dict:
+        server_name: Optional[str] = None, path_change_s: Optional[float] = None) -> dict:
     """Run the suite in the JACK room through the service; print a line per scenario and the summary;
     write the summary as JSON (the simulated bench's keys for the cases run, plus ``room``, ``drift_ppm``,
-    ``speaker``, ``listening_cpu_pct``, ``speaking_cpu_pct`` and the room's own counters)."""
+    ``speaker``, ``path_change_s``, ``listening_cpu_pct``, ``speaking_cpu_pct`` and the room's own counters).
+    ``path_change_s``: the speaker and the drift come on that many seconds after the room started (None: from
+    the start), so that a canceller that converged on the clean path meets the change."""
     from ..speech import Tts
 
     tts = Tts(cfg.voice.model, length_scale=cfg.voice.length_scale, volume=cfg.voice.volume)
@@ -715,7 +722,8 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
     cases = jack_suite(cache, quick, echo_only)
     # A server of its own name: a benchmark's room on the shared test server would add its load to it.
     with service_in_room(cfg, server_name or f"appliance-room{rate // 1000}", rate, period, drift_ppm, speaker,
-                         "appliance-jack-room-", 3.0, print_line, tap=True) as (server, room, svc):
+                         "appliance-jack-room-", 3.0, print_line, tap=True,
+                         path_change_s=path_change_s) as (server, room, svc):
         idle = idle_cpu_pct(svc.proc.pid, idle_s if idle_s is not None else (10.0 if quick else 30.0))
         print_line(f"listening, idle: {idle} % of one core (service + audio worker)")
         meter = CpuMeter(svc)
@@ -744,7 +752,7 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
         summary.update({
             "heard_after_speaking_ms": {"p50": sim.pct(lags, 50), "min": min(lags, default=None),
                                         "max": max(lags, default=None), "n": len(lags)},
-            "room": "jack", "drift_ppm": drift_ppm, "speaker": speaker,
+            "room": "jack", "drift_ppm": drift_ppm, "speaker": speaker, "path_change_s": path_change_s,
             "listening_cpu_pct": idle, "speaking_cpu_pct": meter.pct("speaking"),
             "jack": {"server": server.name, "rate": room.rate, "period": period, "room_underruns": room.underruns,
                      "drift_wander_ms": room.wander_ms},
