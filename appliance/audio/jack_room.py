@@ -254,6 +254,7 @@ class JackRoom:
         self.echo_delay_ms = float(echo_delay_ms)
         self._change = None if path_change_s is None else max(0, int(round(path_change_s * self.rate)))
         self.path_changed: Optional[int] = None  # the drift line's sample at which the speaker came on (path_change_s)
+        self.path_changed_frame: Optional[int] = None  # ... and the server's frame time of it
         self._rng = np.random.default_rng(seed)
         self._noise = None if noise_dbfs is None else 10 ** (noise_dbfs / 20.0)
         self._lock = threading.Lock()
@@ -466,7 +467,8 @@ class JackRoom:
     def _echo(self, ear: np.ndarray, f0: int, frames: int, gain: Optional[float]) -> np.ndarray:
         x = ear
         if self.path_changed is None and (self._change is None or self._line._written + frames > self._change):
-            self.path_changed = self._line._written
+            self.path_changed = max(self._line._written, self._change or 0)
+            self.path_changed_frame = f0 + self.path_changed - self._line._written
             if self._ir_after is not None:
                 self._fir.set_kernel(self._ir_after)
         if self.speaker == "clip" and self.path_changed is not None:

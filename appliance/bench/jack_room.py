@@ -760,6 +760,9 @@ def run(cfg: Config, json_path: Optional[Path], cache_dir: Path, quick: bool = F
             # stand-in again from a hand-back, where Speex lost the echo).
             "echo_hand_over": handed_over,
             "echo_hand_back": handed_back,
+            # --path-change-s: when the speaker and the drift came on, on the service's audio clock (as audio_t above)
+            "path_changed_audio_t": None if path_change_s is None or room.path_changed_frame is None
+            or svc.tap.offset is None else round(svc.tap.sample_of(room.path_changed_frame) / MODEL_RATE, 2),
             # Each barge-in as the service met it: its latency split and what the listener did from the user's
             # onset to the window that paused the reply (case_trace).
             "barge_in_cases": [{"kind": o.case.kind, "label": o.case.label, "detected_ms": o.barge.get("detected_ms"),
