@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--jack-rate", type=int, default=JACK_RATE,
                     help=f"--room jack: the JACK server's rate, Hz (default {JACK_RATE})")
     sp.add_argument("--jack-period", type=int, default=JACK_PERIOD, help=f"--room jack: frames per JACK period "
-                    f"(default {JACK_PERIOD}, {1000 * JACK_PERIOD / JACK_RATE:.1f} ms: a Pi's 10 ms blocks)")
+                    f"(default {JACK_PERIOD}, {1000 * JACK_PERIOD / JACK_RATE:.1f} ms: next to the worker's 10 ms blocks, 480 frames)")
     common(sp)
     sp.set_defaults(func=cmd_bench_interruption)
 
