@@ -252,7 +252,7 @@ class JackRoom:
         self.speaker = speaker
         self.clip_drive = float(clip_drive)
         self.echo_delay_ms = float(echo_delay_ms)
-        self._change = None if path_change_s is None else max(0, int(round(path_change_s * self.rate)))
+        self._change = 0 if path_change_s is None else max(0, int(round(path_change_s * self.rate)))  # line samples
         self.path_changed: Optional[int] = None  # the drift line's sample at which the speaker came on (path_change_s)
         self.path_changed_frame: Optional[int] = None  # ... and the server's frame time of it
         self._rng = np.random.default_rng(seed)
@@ -287,7 +287,7 @@ class JackRoom:
             bp = small_speaker_fir(rate)
             ir_clip = np.convolve(bp, ir)
             delay = max(0, delay - (len(bp) - 1) // 2)  # the band-pass's group delay is part of the path
-            if self._change is not None:  # until then: the band-pass's group delay alone, so the delay stays put
+            if self._change:  # until then: the band-pass's group delay alone, so the delay stays put
                 flat = np.zeros(len(bp), dtype=np.float32)
                 flat[(len(bp) - 1) // 2] = 1.0
                 self._ir_after, ir = ir_clip, np.convolve(flat, ir)
@@ -296,7 +296,7 @@ class JackRoom:
         self._fir = _OverlapSave(ir.astype(np.float32))
         self._delay = delay
         self._line = _DriftLine(delay, 1.0 + self.drift_ppm * 1e-6, period=WANDER_S * rate if self.drift_ppm else None,
-                                start=self._change or 0)
+                                start=self._change)
         self.wander_ms = round(1000.0 * abs(self._line.amplitude) / rate, 2)
         self._gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20.0)
 
@@ -466,8 +466,8 @@ class JackRoom:
 
     def _echo(self, ear: np.ndarray, f0: int, frames: int, gain: Optional[float]) -> np.ndarray:
         x = ear
-        if self.path_changed is None and (self._change is None or self._line._written + frames > self._change):
-            self.path_changed = max(self._line._written, self._change or 0)
+        if self.path_changed is None and self._line._written + frames > self._change:
+            self.path_changed = max(self._line._written, self._change)
             self.path_changed_frame = f0 + self.path_changed - self._line._written
             if self._ir_after is not None:
                 self._fir.set_kernel(self._ir_after)
