@@ -245,8 +245,9 @@ class Listener:
                 log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)
             if getattr(self.echo, "handbacks", 0) != self._handbacks:  # Speex lost the echo: the stand-in again
                 self._handbacks = self.echo.handbacks
-                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over the last 2 s of reply, what "
-                            "it left following the far end at r %.2f); the stand-in serves again from audio_t %.3f s",
+                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over a reply's first 300 ms or "
+                            "the last 2 s of reply, what it left following the far end at r %.2f); the stand-in serves "
+                            "again from audio_t %.3f s",
                             *self.echo.lost, self._n / MODEL_RATE)
             steps = getattr(self.echo, "gain_measurements", None)
             if steps and steps[-1] is not self._gain_logged:  # the echo's gain measured at a new reply's start

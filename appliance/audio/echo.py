@@ -38,8 +38,10 @@ once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRAMES``) and
 20 s of far end (``HANDOVER_DEADLINE_FAR_FRAMES``): on a drifting, clipping speaker the floors look converged for
 moments, and Speex taken over at such a moment passed its own echo (sessions 16-17, docs/measurements.md); a path it
 has not learnt by then keeps the stand-in. And where Speex loses the echo after the hand-over (the median ERLE
-of its newest 2 s of reply under 20 dB, and what it leaves following the far end's level), the stand-in serves
-again, for good (:meth:`EchoCanceller._watch_loss`).
+of its newest 2 s of reply under 20 dB, or of a new reply's first 300 ms under 14 dB, and what it leaves following
+the far end's level), the stand-in serves again, for good (:meth:`EchoCanceller._watch_loss`); it is kept beside Speex
+for that, fed while the far end plays. A new reply whose start the gain follower fitted poorly (a changed echo path,
+or a user over it) holds Speex's gate until that reply's first 300 ms are judged.
 A new echo path (a device reopened, a reload) gets a new canceller.
 A first reply too short for Speex to converge on (1-1.5 s) is not wasted: in the silence after it, a second
 Speex adapts on it and its echo three times over, and where the floors of a fourth pass show convergence it serves,
@@ -237,6 +239,15 @@ LOST_CORR = 0.5  # ... and the levels of Speex's output and of the microphone bo
 #   followed the far end at 0.60-0.78 (p5-p95; the microphone 0.67 or more), and the test held 3.6 s after the
 #   hand-over; at 0 ppm (two full suites, one 50-reply echo-only run, 6400 windows of 2 s) the median went under 20 dB
 #   only under the bell's and the music's noise over a reply, what was left following the far end at 0.27 at most.
+LOST_REPLY_FRAMES = 30  # ... or over a new reply's first this many far-active frames (300 ms), all served by Speex,
+LOST_REPLY_ERLE_DB = 14.0  # ... the median under this (and LOST_CORR as above). Measured here, offline, on the taps
+#   of six 0 ppm JACK runs (430 reply starts that Speex served, barge-ins and noises included): the median over a
+#   reply's first 300 ms was 18.1 dB at the lowest; on three session 27 path-change runs, the replies after the change
+#   and before the 2 s test's hand-back: 6.2-15.2 dB (docs/measurements.md, session 28)
+DOUBT_FIT = 0.7  # a new reply whose start the gain follower fitted under this (EchoGainFollower's fit: the share of
+#   the microphone its prediction explains) is in doubt: Speex's gate is held until LOST_REPLY_FRAMES are judged.
+#   Measured here, offline: 15 of 505 reply starts that Speex served on healthy JACK runs (a user or noise there, or no
+#   echo path) fitted under it; the replies after a path change into clipping and drift 0.02-0.65
 SPEAKER_DRIVES = (0.0, 1.5, 3.0)  # the speaker's curves tried from a cold start (speaker_drive; 0: linear; see _try_curves)
 CURVE_WINDOW_FAR_FRAMES = 200  # ... their residuals compared over the newest 2 s of far-active frames ...
 CURVE_MIN_FAR_FRAMES = 300  # ... from 3 s of them on ...
@@ -526,6 +537,7 @@ class EchoCanceller:
         self._oe_frame: list[bool] = []  # per frame: some band over the prediction by over_echo_db
         self._oe_pass: list[bool] = []  # per frame: ... in this frame and the one before, and served (kept 64)
         self._oe_reply_frames = 0  # far-active frames since the far end returned after a silence (_restart_due)
+        self._reply_doubt = False  # the gain follower's fit of this reply's start was poor: Speex's gate held until judged
         self._reply_far = 1 << 30  # the same count whoever serves (_oe_reply_frames: only while the stand-in predicts),
         #   and "long ago" until a first silence; NEW_REPLY_FRAMES reads it
         # The echo's tail in the far end's silences (see _follow_tail): the room's decay, measured, and the tail
@@ -596,11 +608,15 @@ class EchoCanceller:
         need = n * FRAME
         if len(self._far) < need:
             self._far = np.concatenate([self._far, np.zeros(need - len(self._far), dtype=np.float32)])
+        fit = None  # the fit of a new reply's start measured in this call (see _reply_doubt)
         if self._gain is not None:
+            measured = self._gain.measured
             g = self._gain.push(self._near[self._gain_fed:need], self._far[self._gain_fed:need])
             self._gain_fed = need
             if g is not None:  # (the follower keeps the steps' total within its MAX_STEP_DB)
                 self.echo_scale *= g
+            if self._gain.measured > measured:
+                fit = self._gain.steps[-1][2]
             if self._gain.measuring:
                 return np.zeros(0, dtype=np.float32)  # a new reply's start, held back until its echo's gain is known
             self._gain_fed = 0  # (every frame buffered is processed below)
@@ -621,6 +637,9 @@ class EchoCanceller:
                 self._restart_pending = True  # the stand-in's, when it is next fed (its far end may be too quiet now)
             self._oe_reply_frames = 0  # a new reply: its echo's gain not re-measured yet (see _predict_echo)
             self._reply_far = 0
+            self._reply_doubt = False
+        if fit is not None:
+            self._reply_doubt = self.warm and self._stand_in_ready and fit < DOUBT_FIT
         t0 = time.perf_counter()
         aligned = self._aligned_far(need)
         spk = _curve(aligned, self.speaker_drive)
@@ -668,11 +687,12 @@ class EchoCanceller:
         hb_in, hb_out = b_in[:, -1], b_out[:, -1]  # the last band is the high band (>= HB_HZ)
         # The far end's bands only serve the cold start (band floors, hand-over): no FFT of it once warm.
         # While nothing plays the far end is digital silence: its bands are zero without an FFT.
-        p_far = None if self.warm or far_silent else _power(far)
+        predict = self._stand_in_ready  # over_echo's prediction: kept while Speex serves too (a hand-back's spare)
+        p_far = None if (self.warm and not predict) or far_silent else _power(far)
         b_far = None if self.warm else (np.zeros((n, N_BANDS)) if far_silent else p_far @ _BAND_MATRIX)
         grew = False  # a band's floor got a frame (only then can the hand-over become due)
         oe_stats = None  # the echo path's gain and the room's noise for over_echo, once a call (see _over_echo_stats)
-        if b_far is not None and self._stand_in_ready:
+        if predict:
             if idle:  # nothing played for the frames kept: nothing to predict, nothing to serve in place of AEC3
                 self._restart_prediction()
                 self._oe_pass += [False] * n
@@ -705,10 +725,10 @@ class EchoCanceller:
                     self._loss.append((_ratio_db(e_in[i], served), _ratio_db(served, FRAME), _ratio_db(e_in[i], FRAME),
                                        _ratio_db(max(self._ratio_far[-hi:-lo], default=0.0), FRAME)))
             self._follow_tail(float(e_in[i]), float(e_far[i]), b_in[i])
-            if b_far is None:
-                continue  # the bands' floors only decide the hand-over, which is done
             if oe_stats is not None:
                 self._predict_echo(o_in[i], o_far[i], self._ratio_far[-1] >= FAR_ACTIVE * FRAME, oe_stats)
+            if b_far is None:
+                continue  # the bands' floors only decide the hand-over, which is done
             self._band_in.append(b_in[i])
             self._band_far.append(b_far[i])
             if far_silent or self.frames + i < self._floor_hold_until:
@@ -733,6 +753,7 @@ class EchoCanceller:
             self._advance_reuse(n, bool(len(loud)))
             self.busy_s += time.perf_counter() - t0
         fed = self._stand_in_fed()
+        serves = False  # the stand-in's output goes to the VAD (else it is the spare, kept current: _stand_in_fed)
         served = []  # frames of this call whose microphone went to the VAD in the stand-in's place (over_echo)
         reused = self.reused_active
         if reused:
@@ -744,7 +765,10 @@ class EchoCanceller:
                 self._stand_in._restart_aec3()
                 self.restarts += 1
             self._restart_pending = False
-            out = self._stand_in.process(self._near[:need], self._far[:need])
+            spare = self._stand_in.process(self._near[:need], self._far[:need])
+            serves = self.stand_in_active
+        if serves:
+            out = spare
             self.stand_in_frames += n
             for i in np.flatnonzero(self._oe_pass[-n:]) if len(self._oe_pass) >= n else ():
                 sl = slice(i * FRAME, (i + 1) * FRAME)
@@ -755,7 +779,7 @@ class EchoCanceller:
                 else:
                     self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
         if self.trace is not None:
-            self._trace_frames(n, e_in, out, "bypass" if bypass else "reused" if reused else "aec3" if fed
+            self._trace_frames(n, e_in, out, "bypass" if bypass else "reused" if reused else "aec3" if serves
                                else "speex" if self.warm
                                else "none" if self._stand_in is None else "cold", served)
         if self.record:
@@ -1029,7 +1053,7 @@ class EchoCanceller:
             elif self._converged_far is None:
                 self._converged_far = self._far_frames
             if self._converged_far is not None and self._far_frames - self._converged_far >= HANDOVER_FAR_FRAMES:
-                self.warm, self._stand_in = True, None
+                self.warm = True  # (the stand-in is kept, fed beside Speex: the spare of a hand-back, _watch_loss)
                 self.handovers += 1
                 self.handover_frame = self.frames  # process() serves this call's frames from Speex already
                 self._handover_far = self._far_frames
@@ -1048,10 +1072,22 @@ class EchoCanceller:
         end's (their per-frame dB correlated with its at ``LOST_CORR``, 0.5, or more): our own echo is there and
         gets through, not a user or a noise over the reply (what is left does not follow the far end) nor an echo
         path gone away (nor does the microphone: Speex's own estimate of an echo that is not there, in a room with
-        no echo path, followed the far end at 0.51). From this call's frames on the stand-in serves
-        (:attr:`handback_frame`), a new AEC3 as after a start, for good: no further hand-over nor data reuse on
-        this echo path (a new one gets a new canceller), as for a path Speex never learnt within the hand-over's
-        deadline. Speex learns on beside it.
+        no echo path, followed the far end at 0.51). Or sooner, at a new reply's start (the far end back after a
+        second's silence): over its first ``LOST_REPLY_FRAMES`` far-active frames (300 ms), all served by Speex, the
+        median under ``LOST_REPLY_ERLE_DB`` (14 dB) and the same correlations; judged once a reply, and the end of
+        :attr:`_reply_doubt`'s hold. From this call's frames on the stand-in serves (:attr:`handback_frame`), for
+        good: no further hand-over nor data reuse on this echo path (a new one gets a new canceller), as for a path
+        Speex never learnt within the hand-over's deadline. Speex learns on beside it. The stand-in that serves is
+        the one of the cold start, kept and fed beside Speex while the far end plays (:meth:`_stand_in_fed`): it has
+        followed the reply under way (and starts afresh with each reply, as it does while it serves), as has the far
+        end's predicted echo (:meth:`over_echo`, :meth:`_echo_explained`).
+
+        Why the reply's start (session 28, measured here): on the live path-change runs (the JACK room's speaker
+        turned clipping and drifting in a silence, ``--path-change-s``) the 2 s test alone handed back 5-13 s after
+        the change, and 0-2 replies of 20 flushed themselves before it (session 27: the classifier heard a stop word
+        in 160-176 ms of leaked echo). With the reply's start judged, its gate held in doubt, and the stand-in current:
+        2.4-7.8 s, 0 flushed in four runs. A new AEC3 made at the hand-back, mid-reply, let a window of the echo
+        through and paused the reply at once (one run).
 
         Why: the floors can look converged for a moment on a path Speex cannot model. On the 48 kHz JACK room
         with the drifting (+300 ppm, a 60 s wander), clipping speaker, Speex handed over 45 s into a 50-reply
@@ -1060,20 +1096,34 @@ class EchoCanceller:
         raises them too, and the next barge-in was held back by the stand-in.) See ``LOST_CORR`` for the
         figures behind the test."""
         del self._loss[:-LOST_FRAMES]
-        if len(self._loss) < LOST_FRAMES or not self.warm:
+        if not self.warm:
             return
-        erle, out_db, mic_db, far_db = np.array(self._loss).T
+        judged = None  # the frames judged: the newest LOST_FRAMES, or a reply's first LOST_REPLY_FRAMES in doubt
+        if self._reply_doubt and self._reply_far >= LOST_REPLY_FRAMES:
+            self._reply_doubt = False  # (judged once: the gate's hold ends either way)
+            if len(self._loss) >= self._reply_far:  # (all of the reply's frames served by Speex)
+                judged, limit = self._loss[len(self._loss) - self._reply_far:][:LOST_REPLY_FRAMES], LOST_REPLY_ERLE_DB
+        if judged is None or not self._lost(judged, limit):
+            if len(self._loss) < LOST_FRAMES or not self._lost(self._loss, LOST_ERLE_DB):
+                return
+        self.warm, self.handbacks, self.handback_frame = False, self.handbacks + 1, self.frames
+        self._loss = []
+        self._oe_reply_frames = 0
+
+    def _lost(self, rows: list, limit_db: float) -> bool:
+        """Whether ``rows`` (:attr:`_loss`'s: ERLE, Speex's output, the microphone and the far end, dB per frame) show
+        our own echo getting through Speex: their median ERLE under ``limit_db`` and both the output's and the
+        microphone's levels following the far end's (correlation ``LOST_CORR`` or more); if so, :attr:`lost` is set to
+        (the median ERLE, the output's correlation)."""
+        erle, out_db, mic_db, far_db = np.array(rows).T
         median = float(np.median(erle))
-        if median >= LOST_ERLE_DB or min(np.std(out_db), np.std(mic_db), np.std(far_db)) < 1e-6:
-            return
+        if median >= limit_db or min(np.std(out_db), np.std(mic_db), np.std(far_db)) < 1e-6:
+            return False
         r, r_mic = np.corrcoef([out_db, mic_db, far_db])[2, :2]
         if r < LOST_CORR or r_mic < LOST_CORR:
-            return
-        self.warm, self.handbacks, self.handback_frame, self.lost = False, self.handbacks + 1, self.frames, (
-            round(median, 1), round(float(r), 2))
-        self._loss = []
-        self._restart_prediction()  # (over_echo's prediction was not followed while Speex served)
-        self._oe_reply_frames = 0
+            return False
+        self.lost = (round(median, 1), round(float(r), 2))
+        return True
 
     def _restart_prediction(self) -> None:
         """:meth:`over_echo`'s prediction of the echo starts afresh: the far end's smeared bands and the last
@@ -1352,9 +1402,11 @@ class EchoCanceller:
         return bool(np.all(mic < 10 ** (EXPLAINED_DB / 10) * (echo + 1e-10)))
 
     def _stand_in_fed(self) -> bool:
-        """Whether the stand-in processes the frames now: while it is active and the far end played within
-        the frames kept (0.64 s): there is no echo to keep out otherwise, and AEC3 costs CPU."""
-        return self.stand_in_active and self._far_energy_recent(MODEL_RATE) >= 1e-9
+        """Whether the stand-in processes the frames now: while the far end played within the frames kept
+        (0.64 s; there is no echo to keep out otherwise, and AEC3 costs CPU), whether it serves
+        (:attr:`stand_in_active`) or Speex does (then as the spare of a hand-back, :meth:`_watch_loss`: about
+        0.1 ms per 10 ms frame here, while a reply plays)."""
+        return self._stand_in is not None and self._far_energy_recent(MODEL_RATE) >= 1e-9
 
     def near_end_ratio_db(self, n: int = 512, ago: int = 0) -> Optional[float]:
         """Output-to-input energy ratio over the last ``n`` processed samples, dB: about −ERLE while only
@@ -1477,6 +1529,11 @@ class EchoCanceller:
         far end between replies there is 1e-43, not zeros, and no reply started afresh (``restarts`` 0 over a
         whole run, replayed).
 
+        In doubt (Speex serves, and the gain follower fitted this new reply's start under ``DOUBT_FIT``: the echo
+        path may have changed over the silence, or a user talks over the reply's start), no window passes until
+        :meth:`_watch_loss` has judged the reply's first ``LOST_REPLY_FRAMES`` (300 ms of far end): then either the
+        stand-in serves, or Speex with its usual gate. Here and in :meth:`near_end_clear`.
+
         Neither passes when the broadband ratio, taken before :func:`_never_louder`, is above ``OVER_DB``
         (+3 dB): the canceller's estimate of the echo is then at least as loud as the microphone (a user's
         speech adds to the input as much as to the output, so it stays near 0 dB), and what the VAD heard
@@ -1574,13 +1631,16 @@ class EchoCanceller:
             hb_passed, strong = False, None
         deep = not new_reply and self._deep_pass(r, hb)
         passed = (passed or hb_passed or deep or (strong is not None and strong <= 0.0)) and r <= OVER_DB
+        doubt = self._reply_doubt
         if passed:
-            self._keep_onset_out()
+            self._keep_onset_out()  # (in doubt too: a user's onset held back stays out of the floors all the same)
+        if doubt:
+            passed = False
         if self.record:
             self.gate_log.append(self._log_row((r, threshold) + t[2:], passed, strong))
         if self.trace is not None:
             self._trace_gate("speex", passed, ratio_db=r, threshold_db=threshold, hb_db=hb,
-                             hb_threshold_db=hb_threshold, hb_passed=hb_passed, strong_db=strong, deep=deep)
+                             hb_threshold_db=hb_threshold, hb_passed=hb_passed, strong_db=strong, deep=deep, doubt=doubt)
         return passed
 
     def _deep_pass(self, r: float, hb: Optional[float]) -> bool:
@@ -1688,14 +1748,14 @@ class EchoCanceller:
         broadband = threshold <= r or self._soft_twice(r, threshold, n)
         strong = self._hb_strong_deficit_db(t, n)
         passed = bool((broadband and hb_passed or strong is not None and strong <= 0.0) and r <= OVER_DB) and \
-            self._reply_far >= NEW_REPLY_FRAMES
+            self._reply_far >= NEW_REPLY_FRAMES and not self._reply_doubt
         if passed:
             self._keep_onset_out()
         if self.record:
             self.clear_log.append(self._log_row(t, passed, strong))
         if self.trace is not None:
             self._trace_gate("clear", passed, ratio_db=r, threshold_db=threshold, hb_passed=hb_passed,
-                             strong_db=strong)
+                             strong_db=strong, doubt=self._reply_doubt)
         return passed
 
     def _soft_twice(self, r: float, threshold: float, n: int = 512) -> bool:

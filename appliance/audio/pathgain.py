@@ -87,6 +87,7 @@ class EchoGainFollower:
         self._n = 0
         self._measure: Optional[list] = None  # (far history, [mic blocks], [far blocks]) during a reply's start
         self.steps: list[tuple[int, float, float, bool]] = []
+        self.measured = 0  # measurements made (each appends to steps, which keeps the newest 64)
         self.total_db = 0.0  # the steps applied so far, summed, dB (at most MAX_STEP_DB either way)
 
     @property
@@ -141,6 +142,7 @@ class EchoGainFollower:
     def _finish(self) -> Optional[float]:
         hist, mics, fars = self._measure
         self._measure = None
+        self.measured += 1
         mic, far = np.concatenate(mics), np.concatenate(fars)
         h = np.fft.irfft(self._sxy / (self._sxx + 1e-12 * (np.max(self._sxx) + 1e-30)), N)[:TAPS] / self._taper
         pred = fftconvolve(np.concatenate([hist, far]), h)[TAPS:TAPS + len(mic)]
