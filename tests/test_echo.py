@@ -712,7 +712,7 @@ def _replies_apart(far_end, then, gap_s: float = 1.5) -> tuple[np.ndarray, np.nd
         (len(far_end) + len(gap)) // FRAME
 
 
-def _gate_checks(far, mic, **kw) -> tuple[EchoCanceller, list]:
+def _gate_checks(far, mic, **kw) -> tuple[EchoCanceller, list, np.ndarray]:
     """``mic`` through a new Speex canceller (``kw``) frame by frame, its onset gate asked every 32 ms (a VAD
     hop, as the segmenter would for a window it took for speech; after frames that came out, as the segmenter
     hears nothing while the gain follower holds a reply's start). :returns: the canceller, (frame, passed) per
