@@ -419,8 +419,8 @@ def test_tts_worker_speaks_only_the_current_reply_and_takes_a_new_voice():
     worker.start()
     try:
         deadline = time.monotonic() + 5
-        while len(old.said) < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        while playback.pending_samples < 1600 * 2 and time.monotonic() < deadline:  # both clauses queued, not
+            time.sleep(0.005)  # only synthesised: reply 1's audio that reaches the queue after reply 2 began is dropped
         worker.configure(new)
         current[0] = 2
         playback.begin_reply(2)
