@@ -462,6 +462,33 @@ def test_the_hand_over_frame_is_the_first_frame_that_speex_served(far_end):
     assert served_by(EchoCanceller("webrtc"), 0) == "webrtc"
 
 
+def test_no_window_passes_until_the_new_canceller_has_served_all_of_it(far_end):
+    """At a switch of who serves the VAD (here the hand-over, the stand-in -> Speex), the VAD's window (512
+    samples: 4 frames) still holds the old one's output while the gate's figures are the new one's: a user who
+    starts at the switch (noise 10 dB over the echo, from the frame after it) is passed only once Speex has served
+    the whole window, and then at once."""
+    mic, room = through_room(far_end, 0.0)
+    first = EchoCanceller("speex", noise_suppression=True)
+    for i, played in enumerate(room.output):
+        first.process(mic[i * FRAME : (i + 1) * FRAME], played)
+    h = first.handover_frame
+    assert first.handovers == 1 and h is not None, "Speex never took over: the test would show nothing"
+    user = mic.copy()
+    burst = np.random.default_rng(5).standard_normal(40 * FRAME).astype(np.float32)
+    burst *= np.sqrt(10.0 * np.mean(mic[(h - 50) * FRAME : h * FRAME] ** 2) / np.mean(burst**2))
+    user[(h + 1) * FRAME : (h + 41) * FRAME] += burst
+    ec = EchoCanceller("speex", noise_suppression=True)
+    passed = {}
+    for i, played in enumerate(room.output[: h + 12]):
+        ec.process(user[i * FRAME : (i + 1) * FRAME], played)
+        if i > h:
+            passed[ec.frames - h] = ec.near_end_present()  # frames Speex has served
+    assert ec.handover_frame == h
+    # refused while the window holds the stand-in's output (2 and 3 frames served), passed from the 4th on; without
+    # the rule the 3rd passed (measured here), on Speex's figures over a window partly the stand-in's
+    assert [k for k, p in passed.items() if not p] == [2, 3] and len(passed) == 11, passed
+
+
 @pytest.mark.parametrize("lead_ms,ir,onset_s", [(83, True, 5.50), (37, False, 5.14)])
 def test_the_first_reply_does_not_pause_on_itself_after_the_hand_over(parts, lead_ms, ir, onset_s):
     """The first reply after a start, nobody talking, the listener's own segmenter and onset gate: Speex takes

@@ -40,12 +40,14 @@ def test_a_volume_step_between_replies_is_measured_at_the_next_reply(replies, st
     mic = _mic(far, start, step_db)
     f = EchoGainFollower()
     got = [f.push(mic[i : i + FRAME], far[i : i + FRAME]) for i in range(0, len(mic) - FRAME + 1, FRAME)]
-    applied = [(i * FRAME, g) for i, g in enumerate(got) if g is not None]
+    returned = [(i * FRAME, g) for i, g in enumerate(got) if g is not None]
     (n, measured_db, fit, ok), = f.steps  # one measurement: the second reply's start (the first has no estimate)
     assert abs(n - (start + MEASURE_S * RATE)) <= 2 * FRAME
     assert abs(measured_db - step_db) < 0.3 and fit > 0.9, f.steps
     assert ok == (abs(step_db) >= MIN_STEP_DB)
-    assert len(applied) == int(ok) and (not ok or abs(20 * np.log10(applied[0][1]) - step_db) < 0.3)
+    assert [g for _, g in returned] == f.steps  # returned when made, applied or not
+    assert abs(returned[0][0] + FRAME - n) <= FRAME  # (in the frame that ended the measurement)
+    assert not ok or abs(20 * np.log10(returned[0][1].factor) - step_db) < 0.3
 
 
 def test_a_user_over_the_replys_start_is_not_taken_for_a_step(parts, replies):
@@ -57,7 +59,7 @@ def test_a_user_over_the_replys_start_is_not_taken_for_a_step(parts, replies):
     mic = _mic(far, start, 0.0, user)
     f = EchoGainFollower()
     got = [f.push(mic[i : i + FRAME], far[i : i + FRAME]) for i in range(0, len(mic) - FRAME + 1, FRAME)]
-    assert all(g is None for g in got), f.steps
+    assert [g for g in got if g is not None] == f.steps and not any(g.applied for g in f.steps), f.steps
     (_, measured_db, fit, ok), = f.steps  # it was measured, and left alone
     assert not ok and (fit < 0.5 or abs(measured_db) < 2.0), f.steps
 
@@ -76,7 +78,7 @@ def test_steps_that_would_take_the_total_past_its_bound_are_refused(replies):
     got = [f.push(mic[i : i + FRAME], far[i : i + FRAME]) for i in range(0, len(mic) - FRAME + 1, FRAME)]
     assert [round(db) for _, db, _, _ in f.steps] == [6, 6, 6, 6], f.steps
     assert [ok for *_, ok in f.steps] == [True, True, True, False]
-    assert sum(g is not None for g in got) == 3 and abs(f.total_db - 18.0) < 1.0 and f.total_db < MAX_STEP_DB
+    assert sum(g is not None and g.applied for g in got) == 3 and abs(f.total_db - 18.0) < 1.0 and f.total_db < MAX_STEP_DB
 
 
 @pytest.mark.parametrize("step_db", [6.0, -6.0])

@@ -460,8 +460,11 @@ class EchoCanceller:
         self.stand_in_frames = 0  # frames the stand-in's output went to the VAD
         self.handovers = 0  # stand-in -> Speex hand-overs
         self.handover_frame: Optional[int] = None  # the first frame (10 ms, counted from this canceller's first) Speex served
-        self.handbacks = 0  # Speex -> stand-in hand-backs, once Speex lost the echo (_watch_loss): at most one
-        self.handback_frame: Optional[int] = None  # the first frame (as handover_frame) the stand-in served again
+        self.handback_frame: Optional[int] = None  # the first frame (as handover_frame) the stand-in served again,
+        #   once Speex lost the echo (_watch_loss): at most one hand-back (see handbacks)
+        self._server: Optional[str] = None  # who serves the VAD: "aec3" (the stand-in), "reused" or "speex" ...
+        self._served_since = -(10**9)  # ... since this frame (near_end_present: the VAD's window after a switch;
+        #   the first server serves from the start, no switch)
         self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, the output's correlation) at the hand-back
         self._loss: list[tuple[float, float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE
         #   dB, Speex's output dB (as _never_louder left it), the microphone's dB, the far end's dB
@@ -610,13 +613,12 @@ class EchoCanceller:
             self._far = np.concatenate([self._far, np.zeros(need - len(self._far), dtype=np.float32)])
         fit = None  # the fit of a new reply's start measured in this call (see _reply_doubt)
         if self._gain is not None:
-            measured = self._gain.measured
-            g = self._gain.push(self._near[self._gain_fed:need], self._far[self._gain_fed:need])
+            step = self._gain.push(self._near[self._gain_fed:need], self._far[self._gain_fed:need])
             self._gain_fed = need
-            if g is not None:  # (the follower keeps the steps' total within its MAX_STEP_DB)
-                self.echo_scale *= g
-            if self._gain.measured > measured:
-                fit = self._gain.steps[-1][2]
+            if step is not None:
+                fit = step.fit
+                if step.applied:  # (the follower keeps the steps' total within its MAX_STEP_DB)
+                    self.echo_scale *= step.factor
             if self._gain.measuring:
                 return np.zeros(0, dtype=np.float32)  # a new reply's start, held back until its echo's gain is known
             self._gain_fed = 0  # (every frame buffered is processed below)
@@ -779,6 +781,11 @@ class EchoCanceller:
                     served.append(int(i))
                 else:
                     self._oe_pass[len(self._oe_pass) - n + i] = False  # AEC3 lets it through: its output serves
+        server = "reused" if reused else "aec3" if self.stand_in_active else "speex"
+        if server != self._server:
+            if self._server is not None:  # (the first call's server is no switch)
+                self._served_since = self.frames
+            self._server = server
         if self.trace is not None:
             self._trace_frames(n, e_in, out, "bypass" if bypass else "reused" if reused else "aec3" if serves
                                else "speex" if self.warm
@@ -796,8 +803,8 @@ class EchoCanceller:
     @property
     def gain_measurements(self) -> list:
         """Every echo gain measurement at a new reply's start (``follow_gain``; empty without it), oldest first,
-        the last 64: (samples fed to the follower, step dB, fit 0-1, applied), as
-        :attr:`appliance.audio.pathgain.EchoGainFollower.steps`."""
+        the last 64 (:class:`appliance.audio.pathgain.GainStep`: samples fed to the follower, step dB, fit 0-1,
+        applied), as :attr:`appliance.audio.pathgain.EchoGainFollower.steps`."""
         return self._gain.steps if self._gain is not None else []
 
     def _speex_frame(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
@@ -1108,9 +1115,14 @@ class EchoCanceller:
         if judged is None or not self._lost(judged, limit):
             if len(self._loss) < LOST_FRAMES or not self._lost(self._loss, LOST_ERLE_DB):
                 return
-        self.warm, self.handbacks, self.handback_frame = False, self.handbacks + 1, self.frames
+        self.warm, self.handback_frame = False, self.frames
         self._loss = []
         self._oe_reply_frames = 0
+
+    @property
+    def handbacks(self) -> int:
+        """Speex -> stand-in hand-backs (:meth:`_watch_loss`): 0 or 1, a hand-back being for good."""
+        return int(self.handback_frame is not None)
 
     def _lost(self, rows: list, limit_db: float) -> bool:
         """Whether ``rows`` (:attr:`_loss`'s: ERLE, Speex's output, the microphone and the far end, dB per frame) show
@@ -1575,8 +1587,13 @@ class EchoCanceller:
           under the echo 0.4 s into the next reply was heard 706 ms late (measured here, the full bench).
         """
         tail = self._tail_test()
+        # The VAD's window still holds what the canceller served before a switch (the hand-over, the reused Speex's
+        # start and end, the hand-back) while the gate's figures are the new one's, of its own output: no window
+        # passes until the new one has served all of it. Measured live (session 28): the first check after a
+        # hand-back passed on AEC3's high band and paused the reply on the echo that Speex had let through.
+        switched = self.frames - self._served_since < -(-n // FRAME)
         if self.reused_active:
-            passed = self._reused.near_end_present(n)
+            passed = self._reused.near_end_present(n) and not switched
             if passed and self._echo_recent(n):
                 self._keep_onset_out()  # (as while the stand-in serves: the live Speex's floors decide the hand-over)
             self._trace_gate("reused", passed, ratio_db=self._reused.near_end_ratio_db(n))
@@ -1588,12 +1605,7 @@ class EchoCanceller:
             aec3 = self._stand_in.near_end_present(n)
             explained = aec3 and self._echo_explained()
             over = self.over_echo()
-            passed = (aec3 and not explained) or over
-            if self.handback_frame is not None and self.frames - self.handback_frame < -(-n // FRAME):
-                # The VAD's window still holds what Speex served before the hand-back (the echo it lost), while
-                # the stand-in's figures are of its own output: measured live (session 28), the first check after
-                # a hand-back passed on AEC3's high band and paused the reply on the echo Speex had let through.
-                passed = False
+            passed = ((aec3 and not explained) or over) and not switched
             if passed and self._echo_recent(n):
                 # (a user over our echo: Speex learns on, and its floors decide the hand-over; not while the far end
                 #   is silent, where AEC3's gate passes every window and there is no onset in the floors to take out)
@@ -1641,7 +1653,7 @@ class EchoCanceller:
         doubt = self._reply_doubt
         if passed:
             self._keep_onset_out()  # (in doubt too: a user's onset held back stays out of the floors all the same)
-        if doubt:
+        if doubt or switched:
             passed = False
         if self.record:
             self.gate_log.append(self._log_row((r, threshold) + t[2:], passed, strong))

@@ -24,7 +24,7 @@ Units: float32 samples at 16 kHz in; dB and factors of amplitude out.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 from scipy.signal import fftconvolve
@@ -61,15 +61,28 @@ def _lag_taper(n: int, taps: int) -> np.ndarray:
     return full / full[0]
 
 
+class GainStep(NamedTuple):
+    """One measurement of the echo path's gain at a new reply's start (:meth:`EchoGainFollower.push`)."""
+
+    n: int  # samples fed to the follower when it was made (the end of the reply's first MEASURE_S)
+    step_db: float  # the echo's amplitude over its amplitude in the estimate, dB (0.0 where nothing could be fitted)
+    fit: float  # how much of the microphone's energy the estimate's prediction, so scaled, explains: 0-1
+    applied: bool  # taken into the estimate: the canceller's far end is scaled by :attr:`factor` from here on
+
+    @property
+    def factor(self) -> float:
+        """The step as an amplitude factor (``10 ** (step_db / 20)``)."""
+        return 10.0 ** (self.step_db / 20.0)
+
+
 class EchoGainFollower:
     """Follows the echo path's gain from reply to reply (see the module's notes).
 
-    Feed it every 10 ms frame with :meth:`push`; it returns the factor by which the echo's amplitude stepped when
-    it has measured one at a new reply's start, else None. While it measures (:attr:`measuring`, a reply's first
+    Feed it every 10 ms frame with :meth:`push`; it returns its measurement (:class:`GainStep`) when it has made one
+    at a new reply's start, else None. While it measures (:attr:`measuring`, a reply's first
     ``MEASURE_S``) the canceller holds those frames back, so that Speex meets them already told (given the step
     after the measurement, Speex had adapted half-way in those 150 ms and was off the other way: no better than
-    without, measured here, offline). ``steps`` keeps every measurement: (samples fed so far,
-    step in dB, fit, applied).
+    without, measured here, offline). ``steps`` keeps the newest 64 measurements.
     """
 
     def __init__(self):
@@ -86,8 +99,7 @@ class EchoGainFollower:
         self._since_hop = 0
         self._n = 0
         self._measure: Optional[list] = None  # (far history, [mic blocks], [far blocks]) during a reply's start
-        self.steps: list[tuple[int, float, float, bool]] = []
-        self.measured = 0  # measurements made (each appends to steps, which keeps the newest 64)
+        self.steps: list[GainStep] = []
         self.total_db = 0.0  # the steps applied so far, summed, dB (at most MAX_STEP_DB either way)
 
     @property
@@ -95,13 +107,13 @@ class EchoGainFollower:
         """A new reply's first ``MEASURE_S`` are being measured: the canceller holds them back until it knows."""
         return self._measure is not None
 
-    def push(self, mic: np.ndarray, far: np.ndarray) -> Optional[float]:
+    def push(self, mic: np.ndarray, far: np.ndarray) -> Optional[GainStep]:
         """Whole 10 ms frames of the two streams, paired sample for sample.
 
         :param mic: float32 [160 k] the microphone, 16 kHz.
         :param far: float32 [160 k] the far end the canceller pairs with it.
-        :returns: the echo's amplitude now over its amplitude in the estimate (a factor), at the end of a new
-            reply's measurement, when it stepped; else None.
+        :returns: the measurement made in these frames (at the end of a new reply's first ``MEASURE_S``), applied
+            or not; else None.
         """
         got = None
         for i in range(0, len(mic) - FRAME + 1, FRAME):
@@ -109,7 +121,7 @@ class EchoGainFollower:
             got = g if g is not None else got
         return got
 
-    def _frame(self, mic: np.ndarray, far: np.ndarray) -> Optional[float]:
+    def _frame(self, mic: np.ndarray, far: np.ndarray) -> Optional[GainStep]:
         self._n += FRAME
         active = float(np.dot(far, far)) > FAR_SILENT
         if active and self._silent >= REPLY_GAP_FRAMES and self._sxy is not None and self._ref_hops >= MIN_REF_HOPS:
@@ -139,25 +151,24 @@ class EchoGainFollower:
         """A ring's newest N samples, oldest first (a copy)."""
         return np.concatenate([ring[self._pos:], ring[:self._pos]])[-N:]
 
-    def _finish(self) -> Optional[float]:
+    def _finish(self) -> GainStep:
         hist, mics, fars = self._measure
         self._measure = None
-        self.measured += 1
         mic, far = np.concatenate(mics), np.concatenate(fars)
         h = np.fft.irfft(self._sxy / (self._sxx + 1e-12 * (np.max(self._sxx) + 1e-30)), N)[:TAPS] / self._taper
         pred = fftconvolve(np.concatenate([hist, far]), h)[TAPS:TAPS + len(mic)]
         pp, my, mm = float(np.dot(pred, pred)), float(np.dot(mic, pred)), float(np.dot(mic, mic))
         if pp <= 0.0 or mm <= 0.0 or my <= 0.0:
-            self.steps.append((self._n, 0.0, 0.0, False))
-            return None
-        g = my / pp
-        fit = my * my / (pp * mm)
-        step_db = 20.0 * np.log10(g)
-        ok = fit >= MIN_FIT and MIN_STEP_DB <= abs(step_db) and abs(self.total_db + step_db) <= MAX_STEP_DB
-        self.steps.append((self._n, round(float(step_db), 2), round(float(fit), 3), bool(ok)))
+            step = GainStep(self._n, 0.0, 0.0, False)
+        else:
+            g = my / pp
+            fit = my * my / (pp * mm)
+            step_db = float(20.0 * np.log10(g))
+            ok = fit >= MIN_FIT and MIN_STEP_DB <= abs(step_db) and abs(self.total_db + step_db) <= MAX_STEP_DB
+            step = GainStep(self._n, step_db, float(fit), bool(ok))
+            if ok:
+                self._sxy = self._sxy * g  # the estimate is of the new path from now on
+                self.total_db += step_db
+        self.steps.append(step)
         del self.steps[:-64]
-        if not ok:
-            return None
-        self._sxy = self._sxy * g  # the estimate is of the new path from now on
-        self.total_db += float(step_db)
-        return float(g)
+        return step
