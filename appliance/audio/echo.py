@@ -1543,6 +1543,10 @@ class EchoCanceller:
         far end between replies there is 1e-43, not zeros, and no reply started afresh (``restarts`` 0 over a
         whole run, replayed).
 
+        At a switch of who serves the VAD (the hand-over, a reused Speex's start and end, the hand-back), nothing passes
+        until the new canceller has served the VAD's whole window (``n`` samples: 4 frames of 10 ms at 512): until
+        then the window holds the old one's output while the figures are the new one's.
+
         In doubt (Speex serves, and the gain follower fitted this new reply's start under ``DOUBT_FIT``: the echo
         path may have changed over the silence, or a user talks over the reply's start), no window passes until
         :meth:`_watch_loss` has judged the reply's first ``LOST_REPLY_FRAMES`` (300 ms of far end): then either the
