@@ -1096,7 +1096,8 @@ class EchoCanceller:
         in 160-176 ms of leaked echo). With the reply's start judged, its gate held in doubt, and the stand-in current:
         2.4-7.8 s after the change, and 0 replies flushed in seven runs (docs/measurements.md). A new AEC3 made at
         the hand-back, mid-reply, let a window of the echo through and paused the reply at once (one run). A change
-        in the middle of a reply is left to the 2 s test: 5-8 pauses in that reply (all resumed, in four runs).
+        in the middle of a reply is left to the 2 s test, which its pauses starve (each stops the far end it counts):
+        5-8 pauses in that reply, and in 2 of 6 such runs one of them flushed it (sessions 28-29).
 
         Why: the floors can look converged for a moment on a path Speex cannot model. On the 48 kHz JACK room
         with the drifting (+300 ppm, a 60 s wander), clipping speaker, Speex handed over 45 s into a 50-reply
