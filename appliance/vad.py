@@ -41,7 +41,12 @@ def bundled_model_path() -> Path:
 
 def onnx_session(path: Path, fix: str):
     """An onnxruntime CPU session on one thread (the audio path's models run one call at a time, beside
-    llama.cpp's threads), quiet below errors.
+    llama.cpp's threads), quiet below errors, with onnxruntime's ``session.x64quantprecision`` on: an 8-bit
+    quantized model (Smart Turn v3.2) has its u8s8 products computed as u8u8 where the CPU is x86 without VNNI
+    (SSE4.1, AVX2, AVX-512 without VNNI), whose u8s8 kernels saturate 16-bit pair sums (onnxruntime's option;
+    nothing changes elsewhere: ARM, the Pi 5, or a float model such as Silero). Measured here (AMD EPYC, AVX2, no
+    VNNI; session 30): Smart Turn gave espeak-ng's en-us+f3 "So the thing is, I need" 0.75 (complete) without it,
+    0.14 with it, 0.33 with the quantized nodes left unfused; 125 ms an inference either way.
 
     :raises UserError: the file does not load, with ``fix`` as the remedy.
     """
@@ -51,6 +56,7 @@ def onnx_session(path: Path, fix: str):
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    opts.add_session_config_entry("session.x64quantprecision", "1")
     try:
         return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
