@@ -252,13 +252,13 @@ class Listener:
             steps = getattr(self.echo, "gain_measurements", None)
             if steps and steps[-1] is not self._gain_logged:  # the echo's gain measured at a new reply's start
                 self._gain_logged = steps[-1]
-                _, step_db, fit, applied = steps[-1]
-                if applied:
+                step = steps[-1]
+                if step.applied:
                     log.info("echo canceller: the echo's level stepped %+.1f dB since the last reply (handed to Speex;"
-                             " fit %.2f)", step_db, fit)
+                             " fit %.2f)", step.step_db, step.fit)
                 else:
                     log.debug("echo canceller: the echo's level measured %+.1f dB from the last reply (fit %.2f; "
-                              "left to Speex)", step_db, fit)
+                              "left to Speex)", step.step_db, step.fit)
         if self.tap is not None:
             self.tap.write(near, far, mic)
         wake = self.wake
