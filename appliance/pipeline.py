@@ -195,6 +195,22 @@ class Listener:
         else:
             apply()
 
+    def observe(self, record: dict) -> None:
+        """A conversation observer (its thread): a reply resumed as "not speech" (it paused on an onset the VAD
+        then rejected, and no stop word was heard) is told to the canceller, on this listener's thread before
+        the next block (``echo.note_false_onset()``, if the canceller has one: evidence that it lets our own
+        echo through, see :meth:`~appliance.audio.echo.EchoCanceller.note_false_onset`)."""
+        if record.get("event") == Ev.RESUMED and record.get("reason") == "not speech":
+            if self._thread is not None and self._thread.is_alive():
+                self._q.put(self._note_false_onset)
+            else:
+                self._note_false_onset()
+
+    def _note_false_onset(self) -> None:
+        note = getattr(self.echo, "note_false_onset", None)
+        if note is not None:
+            note()  # (a hand-back is logged with the next block, as the canceller's own are)
+
     def capture(self, mic: np.ndarray, far_end: Optional[np.ndarray] = None) -> None:
         """Called from the input callback: queue a copy and return."""
         self._captured += 1
@@ -245,9 +261,9 @@ class Listener:
                 log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)
             if getattr(self.echo, "handbacks", 0) != self._handbacks:  # Speex lost the echo: the stand-in again
                 self._handbacks = self.echo.handbacks
-                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over a reply's first 300 ms or "
-                            "the last 2 s of reply, what it left following the far end at r %.2f); the stand-in serves "
-                            "again from audio_t %.3f s",
+                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over a reply's first 300 ms, "
+                            "the last 2 s of reply or the 300 ms before a second pause on it, what it left following "
+                            "the far end at r %.2f); the stand-in serves again from audio_t %.3f s",
                             *self.echo.lost, self._n / MODEL_RATE)
             steps = getattr(self.echo, "gain_measurements", None)
             if steps and steps[-1] is not self._gain_logged:  # the echo's gain measured at a new reply's start

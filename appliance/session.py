@@ -15,7 +15,8 @@ Data flow::
 
     port ──capture(mic, far)──► Listener (echo canceller, VAD, wake word) ──post──► Conversation
     Conversation ──► EngineWorker ──clauses──► TtsWorker ──► Playback ◄──take(n)── port (fades there)
-    Conversation ──records──► observers (LEDs, timeline, metrics, the mute store, port.observe: the room)
+    Conversation ──records──► observers (LEDs, timeline, metrics, the mute store, the listener: a pause that was
+                              not speech, to the canceller; port.observe: the room)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Session:
         (the playback buffer's) and ``clock`` (the timeline's), subscribes its ``observe``, hands it
         ``interruption.fade_ms`` and the ``audio`` section on reload, and stops it in :meth:`stop`.
     :param observers: each ``observer(record)`` is subscribed to the conversation, in this order, then the
-        port's. An observer with a ``section`` attribute (``"gpio"``, ``"storage"``) is handed that config
+        listener's and the port's. An observer with a ``section`` attribute (``"gpio"``, ``"storage"``) is handed that config
         section by :meth:`apply` through its ``configure(section)``.
     :param muted: the mute switch at start (the service's persisted one).
     :param keep_turns: keep only the newest this many turns' metrics (None: all).
@@ -94,7 +95,7 @@ class Session:
         self.listener.configure(vad=cfg.vad, interruption=cfg.interruption, end_of_turn=self._end_of_turn(cfg),
                                 wake=detector_from_config(cfg),
                                 echo=echo if echo is not None else self.build_echo(cfg), **self._stream(parts.engine, cfg.model))
-        for observer in [*self.observers, port.observe]:  # the one place observers are wired
+        for observer in [*self.observers, self.listener.observe, port.observe]:  # the one place observers are wired
             conv.subscribe(observer)
 
     # --- the parts' builders (each the only one of its kind) ---

@@ -168,9 +168,9 @@ def test_a_hand_back_to_the_stand_in_is_logged_and_read_by_the_jack_bench(caplog
             return mic
 
     lines = _listener_logs(Echo(), 6, caplog, "lost the echo")
-    assert lines == ["echo canceller: Speex lost the echo (median ERLE 14.2 dB over a reply's first 300 ms or the last "
-                     "2 s of reply, what it left following the far end at r 0.61); the stand-in serves again from "
-                     "audio_t 0.120 s"]
+    assert lines == ["echo canceller: Speex lost the echo (median ERLE 14.2 dB over a reply's first 300 ms, the last "
+                     "2 s of reply or the 300 ms before a second pause on it, what it left following the far end at "
+                     "r 0.61); the stand-in serves again from audio_t 0.120 s"]
     assert [r.levelname for r in caplog.records if "lost the echo" in r.getMessage()] == ["WARNING"]
     svc = ServiceUnderTest.__new__(ServiceUnderTest)
     svc.records, svc.handovers, svc.handbacks, svc.state, svc._lock = [], [], [], "listening", threading.Lock()

@@ -142,6 +142,46 @@ def test_a_noise_while_speaking_resumes(session):
     assert not s.playback.paused
 
 
+class _NotedEcho:
+    """A canceller through the listener's protocol (``process`` passes the microphone through) that records
+    each ``note_false_onset`` and the thread it came on: what the listener tells the real one is the point."""
+
+    def __init__(self):
+        self.notes: list[str] = []
+        self.noted = threading.Event()
+
+    def process(self, mic, far_end, quiet=False):
+        return mic
+
+    def note_false_onset(self) -> bool:
+        self.notes.append(threading.current_thread().name)
+        self.noted.set()
+        return False
+
+
+def test_a_pause_that_was_not_speech_is_told_to_the_canceller_on_the_listeners_thread(session):
+    """The session subscribes the listener to the conversation: a reply resumed as "not speech" reaches the
+    canceller's ``note_false_onset``, on the listener's own thread; one resumed as a backchannel does not."""
+    s, rec = session
+    echo = _NotedEcho()
+    s.listener.configure(echo=echo)
+    interrupt_the_reply(s, rec, "Tell me about the sea.", after_s=0.2)
+    s.conversation.post("vad_reject", speech_ms=64.0)
+    rec.wait_for(lambda rs: any(r["event"] == "resumed" for r in rs))
+    assert echo.noted.wait(5.0)
+    assert echo.notes == ["listener"]
+    s.conversation.post("vad_onset")
+    rec.wait_for(lambda rs: rec.states().count("interrupted") == 2)
+    s.conversation.post("vad_end", speech_ms=400.0, audio=interjection(s, "Uh-huh."), transcript="uh-huh")
+    rec.wait_for(lambda rs: [r.get("reason") for r in rs if r["event"] == "resumed"] == ["not speech", "backchannel"])
+    # A block captured now is processed after anything the backchannel's record queued (one queue, in order).
+    s.listener.capture(np.zeros(160, np.float32), np.zeros(160, np.float32))
+    deadline = time.monotonic() + 5.0
+    while not s.listener.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.listener.idle() and echo.notes == ["listener"]
+
+
 def test_backchannel_resumes_but_stop_flushes(session):
     s, rec = session
     # The barge-in classifier hears the audio (PocketSphinx), so the interjections are real speech (Piper).

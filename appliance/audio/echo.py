@@ -39,7 +39,8 @@ once convergence has held through 0.5 s of far end (``HANDOVER_FAR_FRAMES``) and
 moments, and Speex taken over at such a moment passed its own echo (sessions 16-17, docs/measurements.md); a path it
 has not learnt by then keeps the stand-in. And where Speex loses the echo after the hand-over (the median ERLE
 of its newest 2 s of reply under 20 dB, or of a new reply's first 300 ms under 14 dB, and what it leaves following
-the far end's level), the stand-in serves again, for good (:meth:`EchoCanceller._watch_loss`); it is kept beside Speex
+the far end's level, or two pauses within 3 s on onsets that were not speech with the 300 ms before each lost so:
+:meth:`EchoCanceller.note_false_onset`), the stand-in serves again, for good (:meth:`EchoCanceller._watch_loss`); it is kept beside Speex
 for that, fed while the far end plays. A new reply whose start the gain follower fitted poorly (a changed echo path,
 or a user over it) holds Speex's gate until that reply's first 300 ms are judged.
 A new echo path (a device reopened, a reload) gets a new canceller.
@@ -244,6 +245,12 @@ LOST_REPLY_ERLE_DB = 14.0  # ... the median under this (and LOST_CORR as above).
 #   of six 0 ppm JACK runs (430 reply starts that Speex served, barge-ins and noises included): the median over a
 #   reply's first 300 ms was 18.1 dB at the lowest; on three session 27 path-change runs, the replies after the change
 #   and before the 2 s test's hand-back: 6.2-15.2 dB (docs/measurements.md, session 28)
+FALSE_ONSET_WITHIN_FRAMES = 300  # Speex lost the echo in the middle of a reply (EchoCanceller.note_false_onset): two
+#   pauses that resumed as "not speech" within this many frames (3 s), each with the newest LOST_REPLY_FRAMES of
+#   far end lost as a reply's start is judged (LOST_REPLY_ERLE_DB, LOST_CORR). Measured here, offline, session 29: at
+#   the live "not speech" resumes of eight healthy 0 ppm JACK runs, one of 35 had such frames, never two within 3 s;
+#   on five runs whose speaker turned clipping and drifting in the middle of a reply, the 2nd-4th resume after the
+#   change had them, two within 3 s on four of the five, 1.6-1.9 s after the change, against 2.8-7.8 s for the 2 s test
 DOUBT_FIT = 0.7  # a new reply whose start the gain follower fitted under this (EchoGainFollower's fit: the share of
 #   the microphone its prediction explains) is in doubt: Speex's gate is held until LOST_REPLY_FRAMES are judged.
 #   Measured here, offline: 15 of 505 reply starts that Speex served on healthy JACK runs (a user or noise there, or no
@@ -466,6 +473,7 @@ class EchoCanceller:
         self._served_since = -(10**9)  # ... since this frame (near_end_present: the VAD's window after a switch;
         #   the first server serves from the start, no switch)
         self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, the output's correlation) at the hand-back
+        self._false_onset_frame: Optional[int] = None  # the last note_false_onset whose frames showed the echo lost
         self._loss: list[tuple[float, float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE
         #   dB, Speex's output dB (as _never_louder left it), the microphone's dB, the far end's dB
         #   OVER_ECHO_DELAY_FRAMES earlier); see _watch_loss
@@ -1096,8 +1104,9 @@ class EchoCanceller:
         in 160-176 ms of leaked echo). With the reply's start judged, its gate held in doubt, and the stand-in current:
         2.4-7.8 s after the change, and 0 replies flushed in seven runs (docs/measurements.md). A new AEC3 made at
         the hand-back, mid-reply, let a window of the echo through and paused the reply at once (one run). A change
-        in the middle of a reply is left to the 2 s test, which its pauses starve (each stops the far end it counts):
-        5-8 pauses in that reply, and in 2 of 6 such runs one of them flushed it (sessions 28-29).
+        in the middle of a reply was left to the 2 s test, which its pauses starve (each stops the far end it counts):
+        5-8 pauses in that reply, and in 2 of 6 such runs one of them flushed it (sessions 28-29); the pauses
+        themselves are now evidence (:meth:`note_false_onset`).
 
         Why: the floors can look converged for a moment on a path Speex cannot model. On the 48 kHz JACK room
         with the drifting (+300 ppm, a 60 s wander), clipping speaker, Speex handed over 45 s into a 50-reply
@@ -1113,32 +1122,61 @@ class EchoCanceller:
             self._reply_doubt = False  # (judged once: the gate's hold ends either way)
             if len(self._loss) >= self._reply_far:  # (all of the reply's frames served by Speex)
                 judged, limit = self._loss[len(self._loss) - self._reply_far:][:LOST_REPLY_FRAMES], LOST_REPLY_ERLE_DB
-        if judged is None or not self._lost(judged, limit):
-            if len(self._loss) < LOST_FRAMES or not self._lost(self._loss, LOST_ERLE_DB):
-                return
-        self.warm, self.handback_frame = False, self.frames
+        lost = self._lost(judged, limit) if judged is not None else None
+        if lost is None and len(self._loss) >= LOST_FRAMES:
+            lost = self._lost(self._loss, LOST_ERLE_DB)
+        if lost is not None:
+            self._hand_back(lost)
+
+    def _hand_back(self, lost: tuple[float, float]) -> None:
+        """The stand-in serves the VAD again from this call's frames (or the next call's, between calls), for good;
+        ``lost``: :meth:`_lost`'s figures, kept in :attr:`lost`."""
+        self.warm, self.handback_frame, self.lost = False, self.frames, lost
         self._loss = []
         self._oe_reply_frames = 0
+
+    def note_false_onset(self) -> bool:
+        """The reply paused on an onset that proved not to be speech (the conversation resumed it as "not speech":
+        the VAD rejected it and the classifier heard no stop word). After the hand-over, such a pause is evidence
+        that Speex lets our own echo through, where :meth:`_watch_loss`'s 2 s test is starved (each pause stops the
+        far end it counts): the echo path changed in the middle of a reply. If Speex's newest ``LOST_REPLY_FRAMES``
+        far-active frames (300 ms, those before the pause) show the echo lost as a reply's start is judged (median
+        ERLE under ``LOST_REPLY_ERLE_DB``, 14 dB, what it leaves and the microphone following the far end at
+        ``LOST_CORR`` or more: :meth:`_lost`), and so did those of an earlier note within
+        ``FALSE_ONSET_WITHIN_FRAMES`` (3 s), the stand-in serves from the next call's frames on, for good, as after
+        :meth:`_watch_loss`'s hand-back. Call it between two :meth:`process` calls, on their thread (the listener's).
+
+        :returns: True if this note handed back."""
+        if not self.warm or self.handback_frame is not None or len(self._loss) < LOST_REPLY_FRAMES:
+            return False
+        lost = self._lost(self._loss[-LOST_REPLY_FRAMES:], LOST_REPLY_ERLE_DB)
+        if lost is None:
+            return False
+        earlier, self._false_onset_frame = self._false_onset_frame, self.frames
+        if earlier is None or self.frames - earlier > FALSE_ONSET_WITHIN_FRAMES:
+            return False
+        self._hand_back(lost)
+        return True
 
     @property
     def handbacks(self) -> int:
         """Speex -> stand-in hand-backs (:meth:`_watch_loss`): 0 or 1, a hand-back being for good."""
         return int(self.handback_frame is not None)
 
-    def _lost(self, rows: list, limit_db: float) -> bool:
+    @staticmethod
+    def _lost(rows: list, limit_db: float) -> Optional[tuple[float, float]]:
         """Whether ``rows`` (:attr:`_loss`'s: ERLE, Speex's output, the microphone and the far end, dB per frame) show
         our own echo getting through Speex: their median ERLE under ``limit_db`` and both the output's and the
-        microphone's levels following the far end's (correlation ``LOST_CORR`` or more); if so, :attr:`lost` is set to
-        (the median ERLE, the output's correlation)."""
+        microphone's levels following the far end's (correlation ``LOST_CORR`` or more). :returns: (the median ERLE
+        dB, the output's correlation) if so, else None."""
         erle, out_db, mic_db, far_db = np.array(rows).T
         median = float(np.median(erle))
         if median >= limit_db or min(np.std(out_db), np.std(mic_db), np.std(far_db)) < 1e-6:
-            return False
+            return None
         r, r_mic = np.corrcoef([out_db, mic_db, far_db])[2, :2]
         if r < LOST_CORR or r_mic < LOST_CORR:
-            return False
-        self.lost = (round(median, 1), round(float(r), 2))
-        return True
+            return None
+        return round(median, 1), round(float(r), 2)
 
     def _restart_prediction(self) -> None:
         """:meth:`over_echo`'s prediction of the echo starts afresh: the far end's smeared bands and the last

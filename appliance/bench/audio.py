@@ -49,13 +49,19 @@ def through_room(far: np.ndarray, gain_db: Optional[float], ir: Optional[np.ndar
 
 
 def clipping_room(far: np.ndarray, gain_db: float = 0.0, drift_ppm: float = 300.0, drive: float = 2.0,
-                  noise_dbfs: float = -70.0, seed: int = 0) -> np.ndarray:
+                  noise_dbfs: float = -70.0, seed: int = 0, band_limited: bool = False) -> np.ndarray:
     """``far`` (float32 [n], 16 kHz) through the JACK room's worst case, offline: a soft-clipping speaker
-    (``tanh(drive x) / drive``; 2 as the JACK room's ``--speaker clip``), ``drift_ppm`` of clock drift (the
-    echo resampled by ``1 + drift_ppm 1e-6``, linear interpolation), ``ECHO_DELAY_MS`` and the synthetic
-    ``RT60_MS`` impulse response, ``gain_db``, then white room noise at ``noise_dbfs`` (dBFS RMS, from
-    ``seed``). :returns: the microphone, float32 [n]."""
+    (``tanh(drive x) / drive``; 2 as the JACK room's ``--speaker clip``), with ``band_limited`` the JACK room's
+    small-speaker response after it (:func:`appliance.audio.jack_room.small_speaker_fir` at 16 kHz, 300 Hz-6.5 kHz,
+    its group delay taken out), ``drift_ppm`` of clock drift (the echo resampled by ``1 + drift_ppm 1e-6``, linear
+    interpolation), ``ECHO_DELAY_MS`` and the synthetic ``RT60_MS`` impulse response, ``gain_db``, then white room
+    noise at ``noise_dbfs`` (dBFS RMS, from ``seed``). :returns: the microphone, float32 [n]."""
     y = (np.tanh(drive * far) / drive).astype(np.float32)
+    if band_limited:
+        from ..audio.jack_room import small_speaker_fir
+
+        bp = small_speaker_fir(RATE)
+        y = np.convolve(y, bp)[(len(bp) - 1) // 2 :][: len(far)].astype(np.float32)
     y = np.interp(np.arange(len(y)) * (1 + drift_ppm * 1e-6), np.arange(len(y)), y).astype(np.float32)
     y = np.concatenate([np.zeros(int(ECHO_DELAY_MS * RATE / 1000), np.float32), y])[: len(far)]
     mic = np.convolve(y, synthetic_ir(RT60_MS))[: len(far)] * 10 ** (gain_db / 20)
