@@ -261,10 +261,10 @@ class Listener:
                 log.info("echo canceller: Speex took over from the stand-in at audio_t %.3f s", self._n / MODEL_RATE)
             if getattr(self.echo, "handbacks", 0) != self._handbacks:  # Speex lost the echo: the stand-in again
                 self._handbacks = self.echo.handbacks
-                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over a reply's first 300 ms, "
-                            "the last 2 s of reply or the 300 ms before a second pause on it, what it left following "
+                lost = self.echo.lost
+                log.warning("echo canceller: Speex lost the echo (median ERLE %.1f dB over %s, what it left following "
                             "the far end at r %.2f); the stand-in serves again from audio_t %.3f s",
-                            *self.echo.lost, self._n / MODEL_RATE)
+                            lost.erle_db, lost.over, lost.corr, self._n / MODEL_RATE)
             steps = getattr(self.echo, "gain_measurements", None)
             if steps and steps[-1] is not self._gain_logged:  # the echo's gain measured at a new reply's start
                 self._gain_logged = steps[-1]

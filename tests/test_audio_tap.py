@@ -154,6 +154,7 @@ def test_a_hand_back_to_the_stand_in_is_logged_and_read_by_the_jack_bench(caplog
     the figures that decided and the audio time, and the JACK bench reads it into ``echo_hand_back``."""
     import threading
 
+    from appliance.audio.echo import LostEcho
     from appliance.bench.jack_room import ServiceUnderTest
 
     class Echo:  # the canceller's interface the listener uses; hands over at its second call, back at its fourth
@@ -164,13 +165,12 @@ def test_a_hand_back_to_the_stand_in_is_logged_and_read_by_the_jack_bench(caplog
             self.calls += 1
             self.handovers = int(self.calls >= 2)
             self.handbacks = int(self.calls >= 4)
-            self.lost = (14.2, 0.61) if self.handbacks else None
+            self.lost = LostEcho(14.2, 0.61, "the last 2 s of reply") if self.handbacks else None
             return mic
 
     lines = _listener_logs(Echo(), 6, caplog, "lost the echo")
-    assert lines == ["echo canceller: Speex lost the echo (median ERLE 14.2 dB over a reply's first 300 ms, the last "
-                     "2 s of reply or the 300 ms before a second pause on it, what it left following the far end at "
-                     "r 0.61); the stand-in serves again from audio_t 0.120 s"]
+    assert lines == ["echo canceller: Speex lost the echo (median ERLE 14.2 dB over the last 2 s of reply, what it left "
+                     "following the far end at r 0.61); the stand-in serves again from audio_t 0.120 s"]
     assert [r.levelname for r in caplog.records if "lost the echo" in r.getMessage()] == ["WARNING"]
     svc = ServiceUnderTest.__new__(ServiceUnderTest)
     svc.records, svc.handovers, svc.handbacks, svc.state, svc._lock = [], [], [], "listening", threading.Lock()

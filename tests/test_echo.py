@@ -673,7 +673,8 @@ def test_speex_hands_back_to_the_stand_in_once_it_has_lost_the_echo(far_end, mon
     changed = len(far_end) // FRAME  # the first frame of the clipping, drifting path
     assert ec.handovers == 1 and ec.handover_frame < changed, "Speex never took over: the test would show nothing"
     assert ec.handbacks == 1 and changed < ec.handback_frame < changed + 400 and not ec.warm and ec.stand_in_active
-    median, r = ec.lost
+    median, r, over = ec.lost
+    assert over == "the last 2 s of reply"
     assert median < echo.LOST_ERLE_DB and r >= echo.LOST_CORR
     serving = {f: row[2] for f, row in enumerate(frames)}
     assert {serving[f] for f in range(ec.handover_frame, ec.handback_frame)} == {"speex"}
@@ -739,8 +740,8 @@ def test_two_pauses_on_our_own_echo_within_3_s_hand_back(far_end, monkeypatch):
     assert alone.handbacks == 1 and alone.handback_frame > resumes[1] + 30, (alone.handback_frame, resumes)
     ec, said = _noted(far, mic, resumes)
     assert said == [False, True] and ec.handback_frame == resumes[1] and ec.stand_in_active
-    median, r = ec.lost
-    assert median < echo.LOST_REPLY_ERLE_DB and r >= echo.LOST_CORR
+    median, r, over = ec.lost
+    assert median < echo.LOST_REPLY_ERLE_DB and r >= echo.LOST_CORR and over == "the 300 ms before a second pause on it"
     healthy, said = _noted(*_paused_twice(far_end, changed=False)[:2], resumes)
     assert said == [False, False] and healthy.handovers == 1 and healthy.handbacks == 0 and healthy.warm
     monkeypatch.setattr(echo, "FALSE_ONSET_WITHIN_FRAMES", resumes[1] - resumes[0] - 1)
@@ -829,8 +830,8 @@ def test_a_reply_whose_start_speex_lost_hands_back_within_its_first_300_ms(far_e
     assert ec.handovers == 1 and ec.handover_frame < start, "Speex never took over: the test would show nothing"
     fits = [fit for n, _, fit, _ in ec.gain_measurements]
     assert ec.handbacks == 1 and start < ec.handback_frame < start + 100, (ec.handback_frame - start, fits)
-    median, r = ec.lost
-    assert median < echo.LOST_REPLY_ERLE_DB and r >= echo.LOST_CORR
+    median, r, over = ec.lost
+    assert median < echo.LOST_REPLY_ERLE_DB and r >= echo.LOST_CORR and over == "a reply's first 300 ms"
     assert fits and fits[0] < echo.DOUBT_FIT
     assert not [f for f, passed in checks if start <= f < ec.handback_frame + 4 and passed]  # (+4: the VAD's window)
     after = np.zeros(len(mic), bool)  # the rest of that reply, served by the stand-in

@@ -472,7 +472,7 @@ class EchoCanceller:
         self._server: Optional[str] = None  # who serves the VAD: "aec3" (the stand-in), "reused" or "speex" ...
         self._served_since = -(10**9)  # ... since this frame (near_end_present: the VAD's window after a switch;
         #   the first server serves from the start, no switch)
-        self.lost: Optional[tuple[float, float]] = None  # (median ERLE dB, the output's correlation) at the hand-back
+        self.lost: Optional[LostEcho] = None  # what the hand-back judged (see handbacks)
         self._false_onset_frame: Optional[int] = None  # the last note_false_onset whose frames showed the echo lost
         self._loss: list[tuple[float, float, float, float]] = []  # after the hand-over, per far-active frame: (ERLE
         #   dB, Speex's output dB (as _never_louder left it), the microphone's dB, the far end's dB
@@ -1123,14 +1123,15 @@ class EchoCanceller:
             if len(self._loss) >= self._reply_far:  # (all of the reply's frames served by Speex)
                 judged, limit = self._loss[len(self._loss) - self._reply_far:][:LOST_REPLY_FRAMES], LOST_REPLY_ERLE_DB
         lost = self._lost(judged, limit) if judged is not None else None
+        over = "a reply's first 300 ms"
         if lost is None and len(self._loss) >= LOST_FRAMES:
-            lost = self._lost(self._loss, LOST_ERLE_DB)
+            lost, over = self._lost(self._loss, LOST_ERLE_DB), "the last 2 s of reply"
         if lost is not None:
-            self._hand_back(lost)
+            self._hand_back(LostEcho(*lost, over))
 
-    def _hand_back(self, lost: tuple[float, float]) -> None:
+    def _hand_back(self, lost: "LostEcho") -> None:
         """The stand-in serves the VAD again from this call's frames (or the next call's, between calls), for good;
-        ``lost``: :meth:`_lost`'s figures, kept in :attr:`lost`."""
+        ``lost``: what was judged, kept in :attr:`lost`."""
         self.warm, self.handback_frame, self.lost = False, self.frames, lost
         self._loss = []
         self._oe_reply_frames = 0
@@ -1155,7 +1156,7 @@ class EchoCanceller:
         earlier, self._false_onset_frame = self._false_onset_frame, self.frames
         if earlier is None or self.frames - earlier > FALSE_ONSET_WITHIN_FRAMES:
             return False
-        self._hand_back(lost)
+        self._hand_back(LostEcho(*lost, "the 300 ms before a second pause on it"))
         return True
 
     @property
@@ -1978,6 +1979,15 @@ class _Reuse:
         self.speex, self.frames = speex, frames
         self.pos = self.passes = 0
         self.outs: tuple[list, list] = ([], [])  # the output frames of the last two passes
+
+
+class LostEcho(NamedTuple):
+    """What a hand-back from Speex to the stand-in judged (:attr:`EchoCanceller.lost`)."""
+
+    erle_db: float  # the median per-frame ERLE of the frames judged, dB
+    corr: float  # the correlation of Speex's output level with the far end's over them
+    over: str  # which frames: "a reply's first 300 ms", "the last 2 s of reply" (EchoCanceller._watch_loss) or
+    #   "the 300 ms before a second pause on it" (EchoCanceller.note_false_onset)
 
 
 class GateRow(NamedTuple):
